@@ -1,0 +1,80 @@
+"""The contract between offbeat and a rollout engine replica.
+
+Knows nothing about any engine: token ids in, token ids + log-probs out. Adapters
+(offbeat.rollout_vllm, offbeat.rollout_sglang) implement `RolloutServer`; the
+PartialRolloutClient and the trainer only ever talk to this protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+StopReason = Literal["stop", "length", "aborted"]
+STOP_REASONS: tuple[str, ...] = ("stop", "length", "aborted")
+
+
+@dataclass
+class TokenOutput:
+    """What one generate call produced.
+
+    `logprobs[i]` is the log-probability of `token_ids[i]` under the sampling distribution
+    of the weights that produced it (needed for importance sampling). `weight_version` is
+    the server's version when the output returned; `min_weight_version` /
+    `max_weight_version` bound the versions that produced any of the tokens (they differ
+    when a weight sync interrupted the request and it resumed on newer weights).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    stop_reason: StopReason
+    weight_version: int
+    min_weight_version: int | None = None
+    max_weight_version: int | None = None
+    num_preempted: int = 0
+    routed_experts: list[Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.stop_reason not in STOP_REASONS:
+            raise ValueError(
+                f"TokenOutput.stop_reason={self.stop_reason!r}: expected one of {STOP_REASONS}"
+            )
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"TokenOutput: {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs"
+            )
+        if self.min_weight_version is None:
+            self.min_weight_version = self.weight_version
+        if self.max_weight_version is None:
+            self.max_weight_version = self.weight_version
+
+
+@runtime_checkable
+class RolloutServer(Protocol):
+    """One engine replica (one Ray actor per replica in a distributed run).
+
+    `abort_all()` makes every in-flight `generate` return `stop_reason="aborted"` with the
+    tokens produced so far, and keeps the server paused (new `generate` calls wait) until
+    `resume()`. The weight-sync side (the target protocol of offbeat-ckpt-engine) is on the
+    same object: see `offbeat.ckpt_engine.SyncTarget`.
+    """
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]
+    ) -> TokenOutput: ...
+
+    async def abort_all(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def release_kv_cache(self) -> None: ...
+
+    async def resume_kv_cache(self) -> None: ...
+
+    async def sleep(self, level: int = 1) -> None: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
