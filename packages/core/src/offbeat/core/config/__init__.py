@@ -1,0 +1,39 @@
+"""Typed job configuration: the schema, loading (YAML + overrides) and validation."""
+
+from offbeat.core.config.load import load_config, parse_overrides, store_schema
+from offbeat.core.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    AsyncConfig,
+    CriticConfig,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    ResourceConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from offbeat.core.config.validation import ConfigError, Problem, Problems, check, validate
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "AsyncConfig",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "JobConfig",
+    "ModelConfig",
+    "Problem",
+    "Problems",
+    "ResourceConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "check",
+    "load_config",
+    "parse_overrides",
+    "store_schema",
+    "validate",
+]

@@ -1,0 +1,183 @@
+"""The job config: one typed dataclass per component, composed by `JobConfig`.
+
+These dataclasses are Hydra/OmegaConf structured configs: a recipe YAML fills them and
+OmegaConf type-checks every value on merge. They hold values only; the cross-field rules
+(a resource split that adds up, batch sizes that divide, names that exist in a registry)
+live in `validation.py`, run once before anything starts.
+
+To extend: add a field with a default to the component's dataclass (old YAMLs keep
+working) and, if it has a rule, a check with `@check` in `validation.py` or your own module.
+Batch sizes are counted in *prompts* (groups) unless the name says `trajectories`; each
+prompt yields `rollout.n` trajectories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "AsyncConfig",
+    "CriticConfig",
+    "DataConfig",
+    "JobConfig",
+    "ModelConfig",
+    "ResourceConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+]
+
+
+@dataclass
+class ResourceConfig:
+    """Devices of the job and their split between training and rollout (no colocation)."""
+
+    device: str = "cpu"  # a name in offbeat.core.registry.DEVICES
+    num_nodes: int = 1
+    devices_per_node: int = 2
+    trainer_devices: int = 1  # must add up with rollout_devices to the total
+    rollout_devices: int = 1
+
+    @property
+    def total_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet files of prompts
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512  # tokens; longer prompts are rejected by the dataloader
+    train_batch_size: int = (
+        4  # prompts per global step (= parameter_sync_step × ppo_mini_batch_size)
+    )
+    val_batch_size: int = 8
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF model directory (or what the model builder understands)
+    tokenizer_path: str = ""  # empty: same as `path`
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    override_config: dict[str, Any] = field(default_factory=dict)  # HF config overrides
+
+
+@dataclass
+class ActorConfig:
+    """The policy's train engine and its PPO update."""
+
+    engine: str = "fsdp2"  # a name in TRAIN_ENGINES
+    ppo_mini_batch_size: int = 4  # prompts per optimizer step (mini-batch)
+    ppo_micro_batch_size_per_device: int = 4  # trajectories per forward/backward
+    ppo_epochs: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    lr_warmup_steps: int = 0
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    clip_ratio_low: float = 0.2  # ratio lower bound 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # ratio upper bound 1 + clip_ratio_high
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages; <= 1 disables
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class CriticConfig:
+    """The value model; used only when the advantage estimator needs one (GAE)."""
+
+    engine: str = "fsdp2"
+    model_path: str = ""  # empty: initialise from model.path
+    ppo_micro_batch_size_per_device: int = 4
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"  # a name in ROLLOUT_ENGINES
+    tensor_parallel_size: int = 1
+    n: int = 4  # trajectories sampled per prompt (the group size)
+    max_tokens: int = 256  # response budget per trajectory
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as is
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # a name in ADV_ESTIMATORS
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0  # GAE
+    lam: float = 1.0  # GAE
+    loss_agg_mode: str = "token-mean"  # a name in LOSS_AGG_MODES
+    # Old-policy log-probs: "rollout" = the behaviour policy's (bypass mode); "trainer" =
+    # recomputed with the trainer's start-of-step weights (decoupled PPO: proximal policy).
+    old_log_prob_source: str = "rollout"
+    # Rollout correction between proximal and behaviour policy (decoupled PPO only).
+    rollout_is_level: str = "none"  # none | token | sequence
+    rollout_is_mode: str = "truncate"  # truncate | mask
+    rollout_is_threshold: float = 2.0  # upper bound on the IS ratio
+    rollout_is_threshold_lower: float | None = None  # mask mode; None: 1 / threshold
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"  # a name in KL_ESTIMATORS
+    kl_clamp: float = 10.0
+    entropy_coeff: float = 0.0
+
+
+@dataclass
+class RewardConfig:
+    name: str = "task"  # a name in REWARD_FUNCTIONS
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AsyncConfig:
+    """How far rollout may run ahead of training (see DESIGN §3)."""
+
+    parameter_sync_step: int = 1  # mini-batch updates per global step (per weight sync)
+    max_off_policy_threshold: int = 2  # largest span a trained group may have
+    max_off_policy_strategy: str = "drop"  # drop | wait
+    num_warmup_batches: int = 1  # batches submitted before the first step
+
+
+@dataclass
+class TrainerConfig:
+    mode: str = "separate_async"  # sync | separate_async
+    total_training_steps: int = 10
+    total_epochs: int = 1
+    checkpoint_dir: str = "checkpoints"
+    save_freq: int = 0  # global steps between checkpoints; 0: only at the end, -1: never
+    resume: bool = False
+    test_freq: int = 0  # global steps between validations; 0: never
+    val_before_train: bool = False
+    project_name: str = "offbeat"
+    experiment_name: str = "default"
+    log_dir: str = "outputs"
+    loggers: list[str] = field(default_factory=lambda: ["console"])
+    seed: int = 0
+
+
+@dataclass
+class JobConfig:
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    async_training: AsyncConfig = field(default_factory=AsyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -1,0 +1,281 @@
+"""One validation pass over a `JobConfig`, run before any process or actor starts.
+
+Every rule runs; all problems are collected and raised together as one `ConfigError`
+whose message names each bad key, its value and what would be valid. The rules know
+only the config and the registries (which names exist), nothing of the running system.
+
+Add a rule from anywhere with the `@check` decorator: a function `(cfg, problems)` that
+calls `problems.add(...)` (or a `problems.require_*` helper) for each violation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from offbeat.core.registry import (
+    ADV_ESTIMATORS,
+    DEVICES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    REWARD_FUNCTIONS,
+    ROLLOUT_ENGINES,
+    TRAIN_ENGINES,
+    Registry,
+)
+
+__all__ = ["ConfigError", "Problem", "Problems", "check", "validate"]
+
+OFF_POLICY_STRATEGIES = ("drop", "wait")
+TRAINER_MODES = ("sync", "separate_async")
+OLD_LOG_PROB_SOURCES = ("rollout", "trainer")
+ROLLOUT_IS_LEVELS = ("none", "token", "sequence")
+ROLLOUT_IS_MODES = ("truncate", "mask")
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str  # dotted path, e.g. "async_training.max_off_policy_threshold"
+    value: Any
+    expected: str  # what would be valid
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value!r}: {self.expected}"
+
+
+class ConfigError(ValueError):
+    """Raised once with every problem found; `.problems` holds them."""
+
+    def __init__(self, problems: Iterable[Problem]) -> None:
+        self.problems = list(problems)
+        n = len(self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid config ({n} problem{'s' if n != 1 else ''}):\n{lines}")
+
+
+class Problems:
+    """Collects problems; the `require_*` helpers return True when the value is fine."""
+
+    def __init__(self) -> None:
+        self.items: list[Problem] = []
+
+    def add(self, key: str, value: Any, expected: str) -> None:
+        self.items.append(Problem(key, value, expected))
+
+    def require_int(self, key: str, value: Any, *, minimum: int | None = 1) -> bool:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and minimum is not None and value < minimum:
+            ok = False
+        if not ok:
+            bound = "" if minimum is None else (" > 0" if minimum == 1 else f" >= {minimum}")
+            self.add(key, value, f"must be an int{bound}")
+        return ok
+
+    def require_number(
+        self, key: str, value: Any, *, low: float | None = None, high: float | None = None
+    ) -> bool:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok and ((low is not None and value < low) or (high is not None and value > high)):
+            ok = False
+        if not ok:
+            lo = "-inf" if low is None else low
+            hi = "inf" if high is None else high
+            self.add(key, value, f"must be a number in [{lo}, {hi}]")
+        return ok
+
+    def require_choice(self, key: str, value: Any, choices: Iterable[str]) -> bool:
+        choices = tuple(choices)
+        if value not in choices:
+            self.add(key, value, f"must be one of {', '.join(choices)}")
+            return False
+        return True
+
+    def require_registered(self, key: str, value: Any, registry: Registry[Any]) -> bool:
+        if value not in registry:
+            known = registry.names()
+            listed = ", ".join(known) if known else "(none registered)"
+            self.add(key, value, f"unknown {registry.kind}; registered: {listed}")
+            return False
+        return True
+
+
+Check = Callable[[Any, Problems], None]
+_CHECKS: list[Check] = []
+
+
+def check(fn: Check) -> Check:
+    """Register a validation rule (runs in registration order on every `validate`)."""
+    if fn not in _CHECKS:
+        _CHECKS.append(fn)
+    return fn
+
+
+def validate(cfg: Any) -> None:
+    """Run every rule on `cfg` (a `JobConfig` or an OmegaConf DictConfig of one).
+
+    Raises one `ConfigError` listing every problem; returns None when all rules pass.
+    """
+    problems = Problems()
+    for rule in _CHECKS:
+        rule(cfg, problems)
+    if problems.items:
+        raise ConfigError(problems.items)
+
+
+# ---------------------------------------------------------------------------------------
+# The rules.
+
+
+@check
+def _resources(cfg: Any, p: Problems) -> None:
+    r, tp = cfg.resources, cfg.rollout.tensor_parallel_size
+    p.require_registered("resources.device", r.device, DEVICES)
+    ok = [
+        p.require_int("resources.num_nodes", r.num_nodes),
+        p.require_int("resources.devices_per_node", r.devices_per_node),
+        p.require_int("resources.trainer_devices", r.trainer_devices),
+        p.require_int("resources.rollout_devices", r.rollout_devices),
+    ]
+    if not all(ok):
+        return
+    total = r.num_nodes * r.devices_per_node
+    if r.trainer_devices + r.rollout_devices != total:
+        p.add(
+            "resources.trainer_devices+resources.rollout_devices",
+            r.trainer_devices + r.rollout_devices,
+            f"must equal resources.num_nodes × resources.devices_per_node = {total} "
+            f"(e.g. trainer_devices={max(total - r.rollout_devices, 1)}, "
+            f"rollout_devices={r.rollout_devices})",
+        )
+    if p.require_int("rollout.tensor_parallel_size", tp) and r.rollout_devices % tp:
+        p.add(
+            "resources.rollout_devices",
+            r.rollout_devices,
+            f"must be a multiple of rollout.tensor_parallel_size={tp}",
+        )
+    a = cfg.actor
+    tp_ok = p.require_int("actor.tensor_model_parallel_size", a.tensor_model_parallel_size)
+    pp_ok = p.require_int("actor.pipeline_model_parallel_size", a.pipeline_model_parallel_size)
+    if tp_ok and pp_ok:
+        mp = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+        if r.trainer_devices % mp:
+            p.add(
+                "resources.trainer_devices",
+                r.trainer_devices,
+                f"must be a multiple of actor.tensor_model_parallel_size × "
+                f"actor.pipeline_model_parallel_size = {mp}",
+            )
+
+
+@check
+def _batch_sizes(cfg: Any, p: Problems) -> None:
+    tb, a, pss = cfg.data.train_batch_size, cfg.actor, cfg.async_training.parameter_sync_step
+    ok = [
+        p.require_int("data.train_batch_size", tb),
+        p.require_int("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+        p.require_int("async_training.parameter_sync_step", pss),
+    ]
+    p.require_int("data.val_batch_size", cfg.data.val_batch_size)
+    p.require_int("actor.ppo_micro_batch_size_per_device", a.ppo_micro_batch_size_per_device)
+    p.require_int("actor.ppo_epochs", a.ppo_epochs)
+    if all(ok) and tb != pss * a.ppo_mini_batch_size:
+        p.add(
+            "data.train_batch_size",
+            tb,
+            f"must equal async_training.parameter_sync_step × actor.ppo_mini_batch_size "
+            f"= {pss} × {a.ppo_mini_batch_size} = {pss * a.ppo_mini_batch_size}",
+        )
+    # Each data-parallel rank must get whole trajectories of every mini-batch.
+    r, n = cfg.resources, cfg.rollout.n
+    ints = (r.trainer_devices, a.tensor_model_parallel_size, a.pipeline_model_parallel_size, n)
+    if all(isinstance(x, int) and x > 0 for x in ints) and ok[1]:
+        mp = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+        dp = r.trainer_devices // mp
+        if r.trainer_devices % mp == 0 and (a.ppo_mini_batch_size * n) % dp:
+            p.add(
+                "actor.ppo_mini_batch_size",
+                a.ppo_mini_batch_size,
+                f"× rollout.n={n} trajectories must split evenly over the {dp} "
+                f"data-parallel trainer ranks",
+            )
+
+
+@check
+def _async(cfg: Any, p: Problems) -> None:
+    s = cfg.async_training
+    p.require_int("async_training.max_off_policy_threshold", s.max_off_policy_threshold)
+    p.require_choice(
+        "async_training.max_off_policy_strategy", s.max_off_policy_strategy, OFF_POLICY_STRATEGIES
+    )
+    p.require_int("async_training.num_warmup_batches", s.num_warmup_batches, minimum=0)
+
+
+@check
+def _registry_names(cfg: Any, p: Problems) -> None:
+    al = cfg.algorithm
+    p.require_registered("actor.engine", cfg.actor.engine, TRAIN_ENGINES)
+    p.require_registered("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    p.require_registered("reward.name", cfg.reward.name, REWARD_FUNCTIONS)
+    p.require_registered("algorithm.loss_agg_mode", al.loss_agg_mode, LOSS_AGG_MODES)
+    p.require_registered("algorithm.kl_loss_type", al.kl_loss_type, KL_ESTIMATORS)
+    known = p.require_registered("algorithm.adv_estimator", al.adv_estimator, ADV_ESTIMATORS)
+    if known and getattr(ADV_ESTIMATORS.get(al.adv_estimator), "needs_critic", False):
+        p.require_registered("critic.engine", cfg.critic.engine, TRAIN_ENGINES)
+
+
+@check
+def _algorithm(cfg: Any, p: Problems) -> None:
+    al, a = cfg.algorithm, cfg.actor
+    p.require_choice("algorithm.old_log_prob_source", al.old_log_prob_source, OLD_LOG_PROB_SOURCES)
+    level_ok = p.require_choice(
+        "algorithm.rollout_is_level", al.rollout_is_level, ROLLOUT_IS_LEVELS
+    )
+    p.require_choice("algorithm.rollout_is_mode", al.rollout_is_mode, ROLLOUT_IS_MODES)
+    p.require_number("algorithm.rollout_is_threshold", al.rollout_is_threshold, low=1.0)
+    lower = al.rollout_is_threshold_lower
+    if lower is not None:
+        p.require_number("algorithm.rollout_is_threshold_lower", lower, low=0.0, high=1.0)
+    if level_ok and al.rollout_is_level != "none" and al.old_log_prob_source != "trainer":
+        p.add(
+            "algorithm.rollout_is_level",
+            al.rollout_is_level,
+            "needs algorithm.old_log_prob_source='trainer' (with 'rollout' the proximal and "
+            "behaviour log-probs are the same); set it or use rollout_is_level='none'",
+        )
+    p.require_number("algorithm.gamma", al.gamma, low=0.0, high=1.0)
+    p.require_number("algorithm.lam", al.lam, low=0.0, high=1.0)
+    p.require_number("algorithm.kl_loss_coef", al.kl_loss_coef, low=0.0)
+    p.require_number("algorithm.kl_clamp", al.kl_clamp, low=0.0)
+    p.require_number("algorithm.entropy_coeff", al.entropy_coeff)
+    p.require_number("actor.clip_ratio_low", a.clip_ratio_low, low=0.0, high=1.0)
+    p.require_number("actor.clip_ratio_high", a.clip_ratio_high, low=0.0)
+    p.require_number("actor.clip_ratio_c", a.clip_ratio_c)
+    p.require_number("actor.lr", a.lr, low=0.0)
+    p.require_int("actor.lr_warmup_steps", a.lr_warmup_steps, minimum=0)
+    p.require_number("critic.cliprange_value", cfg.critic.cliprange_value, low=0.0)
+
+
+@check
+def _rollout(cfg: Any, p: Problems) -> None:
+    ro = cfg.rollout
+    p.require_int("rollout.n", ro.n)
+    p.require_int("rollout.max_tokens", ro.max_tokens)
+    p.require_number("rollout.temperature", ro.temperature, low=0.0)
+    p.require_number("rollout.top_p", ro.top_p, low=0.0, high=1.0)
+    p.require_int("rollout.top_k", ro.top_k, minimum=None)
+    p.require_int("data.max_prompt_length", cfg.data.max_prompt_length)
+
+
+@check
+def _model_and_trainer(cfg: Any, p: Problems) -> None:
+    if not isinstance(cfg.model.path, str) or not cfg.model.path.strip():
+        p.add("model.path", cfg.model.path, "must name a model (a HF model directory)")
+    t = cfg.trainer
+    p.require_choice("trainer.mode", t.mode, TRAINER_MODES)
+    p.require_int("trainer.total_training_steps", t.total_training_steps)
+    p.require_int("trainer.total_epochs", t.total_epochs)
+    p.require_int("trainer.save_freq", t.save_freq, minimum=-1)
+    p.require_int("trainer.test_freq", t.test_freq, minimum=0)
+    if not isinstance(t.checkpoint_dir, str) or not t.checkpoint_dir.strip():
+        p.add("trainer.checkpoint_dir", t.checkpoint_dir, "must be a non-empty path")
