@@ -1,0 +1,16 @@
+"""The staleness-bounded replay buffer between rollout and training."""
+
+from offbeat.core.buffer.actor import AsyncReplayBuffer, make_buffer_actor
+from offbeat.core.buffer.group import GroupStatus, PromptGroup, Trajectory
+from offbeat.core.buffer.replay_buffer import STRATEGIES, BufferConfig, ReplayBuffer
+
+__all__ = [  # items, the pure core, blocking shells
+    "STRATEGIES",
+    "AsyncReplayBuffer",
+    "BufferConfig",
+    "GroupStatus",
+    "PromptGroup",
+    "ReplayBuffer",
+    "Trajectory",
+    "make_buffer_actor",
+]

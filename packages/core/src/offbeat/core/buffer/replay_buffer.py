@@ -1,0 +1,301 @@
+"""The staleness-bounded replay buffer (transfer queue) between rollout and training.
+
+Pure Python and single-threaded: no Ray, no asyncio, no tensors. It knows prompt groups,
+their status, the step they were submitted at and the weight versions of their samples;
+it does not know how prompts are generated, scored or trained on. Blocking callers (the
+trainer waiting for a batch) wrap it: see `AsyncReplayBuffer`.
+
+Rules (DESIGN.md §3):
+- span of a group = current step - submission step + 1; batches are taken oldest first;
+- admission: at step s, at most `depth` batches' worth of groups are untrained, where
+  `depth` = num_warmup_batches (and, under `wait`, also at most max_off_policy_threshold),
+  counting the groups already taken at step s. So a group is trained at the latest at
+  span `depth` unless a straggler holds it back;
+- `drop`: a finished group whose span exceeds the threshold is evicted, counted, and its
+  slot reopens, so exactly as many new prompts are admitted as were evicted;
+- `wait`: sampling is blocked while an unfinished group has reached the threshold;
+- failed groups (reward function or engine error) are evicted, counted and refilled.
+Every submitted prompt ends trained exactly once, evicted, failed, or is still in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from offbeat.core.buffer.group import GroupStatus, PromptGroup, Trajectory
+
+STRATEGIES = ("drop", "wait")
+
+
+@dataclass
+class BufferConfig:
+    """`groups_per_step`: prompt groups trained per global step (the train batch size in
+    prompts). `num_warmup_batches`: batches submitted before step 1 and kept in flight."""
+
+    groups_per_step: int
+    max_off_policy_threshold: int = 2
+    max_off_policy_strategy: str = "drop"
+    num_warmup_batches: int = 2
+
+    def __post_init__(self) -> None:
+        for key in ("groups_per_step", "max_off_policy_threshold", "num_warmup_batches"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"buffer.{key}={value!r}: must be an int > 0")
+        if self.max_off_policy_strategy not in STRATEGIES:
+            raise ValueError(
+                f"buffer.max_off_policy_strategy={self.max_off_policy_strategy!r}: "
+                f"expected one of {STRATEGIES}"
+            )
+        if (
+            self.max_off_policy_strategy == "drop"
+            and self.num_warmup_batches > self.max_off_policy_threshold
+        ):
+            # Steady-state span equals the pipeline depth: every group would be dropped.
+            raise ValueError(
+                f"buffer.num_warmup_batches={self.num_warmup_batches} > "
+                f"max_off_policy_threshold={self.max_off_policy_threshold} under 'drop': "
+                "every group would be trained at span num_warmup_batches and be evicted; "
+                "use num_warmup_batches <= max_off_policy_threshold"
+            )
+
+    @property
+    def depth(self) -> int:
+        """How many batches may be untrained at once (in the current step's window)."""
+        if self.max_off_policy_strategy == "wait":
+            return min(self.num_warmup_batches, self.max_off_policy_threshold)
+        return self.num_warmup_batches
+
+
+class ReplayBuffer:
+    """Prompt groups from submission to training. See the module docstring for the rules."""
+
+    def __init__(self, config: BufferConfig, *, start_step: int = 1) -> None:
+        self.config = config
+        self._step = start_step
+        self._taken_this_step = 0
+        self._next_seq = 0
+        self._groups: dict[str, PromptGroup] = {}  # live: pending, running, finished
+        # uid -> "trained" | "evicted" | "failed": every group that left the buffer.
+        self._ledger: dict[str, str] = {}
+        self._evicted_total = 0
+        self._failed_total = 0
+        self._trained_total = 0
+
+    # ---- steps ---------------------------------------------------------------------------
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def begin_step(self, step: int) -> None:
+        """Enter global step `step` (after the previous step's weight sync)."""
+        if step < self._step:
+            raise ValueError(f"begin_step({step}): the buffer is already at step {self._step}")
+        if step > self._step:
+            self._taken_this_step = 0
+        self._step = step
+
+    # ---- admission -----------------------------------------------------------------------
+    def num_untrained(self) -> int:
+        return len(self._groups)
+
+    def free_slots(self) -> int:
+        """How many new prompts may be submitted now (0 when the pipeline is full)."""
+        cap = self.config.depth * self.config.groups_per_step
+        return max(0, cap - self._taken_this_step - len(self._groups))
+
+    def submit(self, prompts: Sequence[dict[str, Any]]) -> list[PromptGroup]:
+        """Admit new prompts as pending groups at the current step."""
+        if len(prompts) > self.free_slots():
+            raise ValueError(
+                f"submit: {len(prompts)} prompts but only {self.free_slots()} free slots "
+                f"at step {self._step}"
+            )
+        out = []
+        for prompt in prompts:
+            seq = self._next_seq
+            self._next_seq += 1
+            group = PromptGroup(uid=f"g{seq}", seq=seq, prompt=prompt, submission_step=self._step)
+            self._groups[group.uid] = group
+            out.append(group)
+        return out
+
+    # ---- rollout side --------------------------------------------------------------------
+    def take_pending(self, max_groups: int | None = None) -> list[PromptGroup]:
+        """Oldest pending groups, marked running, for rollout workers to generate."""
+        pending = [g for g in self._groups.values() if g.status is GroupStatus.PENDING]
+        pending.sort(key=lambda g: g.seq)
+        if max_groups is not None:
+            pending = pending[:max_groups]
+        for g in pending:
+            g.status = GroupStatus.RUNNING
+        return pending
+
+    def finish(self, uid: str, trajectories: Iterable[Trajectory]) -> PromptGroup:
+        group = self._live(uid, GroupStatus.RUNNING)
+        group.trajectories = list(trajectories)
+        if not group.trajectories:
+            raise ValueError(f"finish({uid!r}): a finished group needs at least one trajectory")
+        group.status = GroupStatus.FINISHED
+        return group
+
+    def fail(self, uid: str, error: str) -> PromptGroup:
+        """A reward function or the engine raised: evict the group and count it."""
+        group = self._live(uid, GroupStatus.PENDING, GroupStatus.RUNNING)
+        group.status = GroupStatus.FAILED
+        group.error = error
+        del self._groups[uid]
+        self._ledger[uid] = "failed"
+        self._failed_total += 1
+        return group
+
+    # ---- trainer side --------------------------------------------------------------------
+    def evict_stale(self) -> list[PromptGroup]:
+        """Under `drop`, evict finished groups whose span exceeds the threshold."""
+        if self.config.max_off_policy_strategy != "drop":
+            return []
+        limit = self.config.max_off_policy_threshold
+        stale = [
+            g
+            for g in self._groups.values()
+            if g.status is GroupStatus.FINISHED and g.span(self._step) > limit
+        ]
+        for g in stale:
+            del self._groups[g.uid]
+            self._ledger[g.uid] = "evicted"
+        self._evicted_total += len(stale)
+        return stale
+
+    def blocked_by(self) -> list[PromptGroup]:
+        """Under `wait`, the unfinished groups that have reached the threshold."""
+        if self.config.max_off_policy_strategy != "wait":
+            return []
+        limit = self.config.max_off_policy_threshold
+        return [
+            g
+            for g in self._groups.values()
+            if g.status in (GroupStatus.PENDING, GroupStatus.RUNNING)
+            and g.span(self._step) >= limit
+        ]
+
+    def num_finished(self) -> int:
+        return sum(g.status is GroupStatus.FINISHED for g in self._groups.values())
+
+    def ready(self, num_groups: int) -> bool:
+        """Whether `sample(num_groups)` would succeed now (call `evict_stale` first)."""
+        return self.num_finished() >= num_groups and not self.blocked_by()
+
+    def sample(self, num_groups: int) -> list[PromptGroup]:
+        """Take the `num_groups` oldest finished groups for training."""
+        if num_groups <= 0:
+            raise ValueError(f"sample({num_groups}): need at least one group")
+        if blockers := self.blocked_by():
+            raise RuntimeError(
+                f"sample: blocked under 'wait' by {len(blockers)} unfinished groups at span "
+                f">= {self.config.max_off_policy_threshold}"
+            )
+        finished = sorted(
+            (g for g in self._groups.values() if g.status is GroupStatus.FINISHED),
+            key=lambda g: g.seq,
+        )
+        if len(finished) < num_groups:
+            raise RuntimeError(f"sample: {len(finished)} finished groups, need {num_groups}")
+        batch = finished[:num_groups]
+        for g in batch:
+            del self._groups[g.uid]
+            if g.uid in self._ledger:  # by construction impossible; a cheap guard
+                raise AssertionError(f"group {g.uid} left the buffer twice")
+            self._ledger[g.uid] = "trained"
+        self._trained_total += len(batch)
+        self._taken_this_step += len(batch)
+        return batch
+
+    # ---- accounting ----------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        by_status = {s.value: 0 for s in GroupStatus if s is not GroupStatus.FAILED}
+        for g in self._groups.values():
+            by_status[g.status.value] += 1
+        return {
+            "submitted": self._next_seq,
+            "trained": self._trained_total,
+            "evicted": self._evicted_total,
+            "failed": self._failed_total,
+            **by_status,
+        }
+
+    def ledger(self) -> dict[str, str]:
+        """uid -> how it left the buffer ("trained", "evicted" or "failed")."""
+        return dict(self._ledger)
+
+    def live_uids(self) -> list[str]:
+        return list(self._groups)
+
+    def check_accounting(self) -> None:
+        """Raise if any submitted prompt is lost or counted twice."""
+        c = self.counts()
+        accounted = (
+            c["trained"] + c["evicted"] + c["failed"] + c["pending"] + c["running"] + c["finished"]
+        )
+        if accounted != c["submitted"]:
+            raise AssertionError(f"accounting broken: {c}")
+        if set(self._ledger) & set(self._groups):
+            raise AssertionError("a group is both live and gone")
+        if len(self._ledger) + len(self._groups) != c["submitted"]:
+            raise AssertionError(f"ledger size mismatch: {c}")
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Finished groups are kept; pending and running ones are saved as prompts to
+        re-issue (their partial samples are discarded)."""
+        live = sorted(self._groups.values(), key=lambda g: g.seq)
+        return {
+            "step": self._step,
+            "taken_this_step": self._taken_this_step,
+            "next_seq": self._next_seq,
+            "finished": [g.to_dict() for g in live if g.status is GroupStatus.FINISHED],
+            "reissue": [
+                {"uid": g.uid, "seq": g.seq, "prompt": g.prompt}
+                for g in live
+                if g.status is not GroupStatus.FINISHED
+            ],
+            "ledger": dict(self._ledger),
+            "totals": {
+                "evicted": self._evicted_total,
+                "failed": self._failed_total,
+                "trained": self._trained_total,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; re-issued prompts become pending again, submitted at the restored
+        step (their generation restarts on the restored weights)."""
+        self._step = int(state["step"])
+        self._taken_this_step = int(state["taken_this_step"])
+        self._next_seq = int(state["next_seq"])
+        self._groups = {}
+        for d in state["finished"]:
+            g = PromptGroup.from_dict(d)
+            self._groups[g.uid] = g
+        for d in state["reissue"]:
+            g = PromptGroup(
+                uid=d["uid"], seq=d["seq"], prompt=d["prompt"], submission_step=self._step
+            )
+            self._groups[g.uid] = g
+        self._ledger = dict(state["ledger"])
+        self._evicted_total = int(state["totals"]["evicted"])
+        self._failed_total = int(state["totals"]["failed"])
+        self._trained_total = int(state["totals"]["trained"])
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _live(self, uid: str, *allowed: GroupStatus) -> PromptGroup:
+        group = self._groups.get(uid)
+        if group is None:
+            gone = self._ledger.get(uid)
+            raise KeyError(f"group {uid!r} is not live" + (f" (it was {gone})" if gone else ""))
+        if group.status not in allowed:
+            raise ValueError(
+                f"group {uid!r} is {group.status.value}; expected {[s.value for s in allowed]}"
+            )
+        return group

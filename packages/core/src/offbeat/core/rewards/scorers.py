@@ -1,0 +1,72 @@
+"""Built-in rule-based scorers: exact match and math answers.
+
+Know nothing about where responses come from. Scores are 1.0 (correct) or 0.0.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+from offbeat.core.rewards.registry import register_reward
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_HASHES = re.compile(r"####\s*([^\n]*)")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def _normalise(text: str) -> str:
+    return " ".join(str(text).strip().split()).lower()
+
+
+@register_reward("exact_match")
+def exact_match(response: str, ground_truth: Any, **_: Any) -> float:
+    """1.0 when the response equals the ground truth up to surrounding/internal
+    whitespace and case."""
+    return float(_normalise(response) == _normalise(ground_truth))
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer in a math response: `\\boxed{...}`, else after `####`, else the
+    last number in the text."""
+    if m := _BOXED.findall(response):
+        return m[-1].strip()
+    if m := _HASHES.findall(response):
+        return m[-1].strip()
+    if m := _NUMBER.findall(response):
+        return m[-1]
+    return None
+
+
+def _as_number(text: str) -> Fraction | None:
+    text = text.replace(",", "").strip()
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+@register_reward("math")
+def math_answer(response: str, ground_truth: Any, **_: Any) -> float:
+    """1.0 when the extracted final answer equals the ground truth, numerically when
+    both parse as numbers (so "0.5" == "1/2"), else as normalised text."""
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    a, b = _as_number(answer), _as_number(str(ground_truth))
+    if a is not None and b is not None:
+        return float(a == b)
+    return float(_normalise(answer) == _normalise(ground_truth))
+
+
+@register_reward("char_match")
+def char_match(response: str, ground_truth: Any, **_: Any) -> float:
+    """Partial credit for short string tasks: the fraction of ground-truth characters
+    reproduced at their position, scaled down by any length mismatch. 1.0 only for an exact
+    match (after stripping surrounding whitespace)."""
+    got, want = str(response).strip(), str(ground_truth).strip()
+    if not want:
+        return float(not got)
+    hits = sum(a == b for a, b in zip(got, want, strict=False))
+    return hits / max(len(got), len(want))

@@ -1,0 +1,21 @@
+"""Synthetic tasks with checkable answers and the parquet prompt dataloader."""
+
+from offbeat.core.tasks.dataloader import PromptDataLoader
+from offbeat.core.tasks.synthetic import (
+    ALPHABET,
+    TASKS,
+    make_rows,
+    read_parquet,
+    write_parquet,
+    write_task_files,
+)
+
+__all__ = [  # synthetic tasks and the parquet loader
+    "ALPHABET",
+    "TASKS",
+    "PromptDataLoader",
+    "make_rows",
+    "read_parquet",
+    "write_parquet",
+    "write_task_files",
+]

@@ -1,0 +1,75 @@
+"""An endless, shuffled stream of prompt rows from parquet files, with a resumable position.
+
+Knows nothing about tokenizers or rollout: it hands out dataset rows (dicts). Each epoch
+is a fresh permutation drawn from (seed, epoch), so the position (epoch, index) is all
+the state needed to resume exactly where a run stopped.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+
+class PromptDataLoader:
+    """Rows of one or more parquet files, shuffled per epoch, consumed a few at a time."""
+
+    def __init__(
+        self, paths: str | Path | Sequence[str | Path], *, shuffle: bool = True, seed: int = 0
+    ):
+        if isinstance(paths, (str, Path)):
+            paths = [paths]
+        if not paths:
+            raise ValueError("PromptDataLoader: no parquet files given")
+        rows: list[dict[str, Any]] = []
+        for p in paths:
+            if not Path(p).is_file():
+                raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
+            rows.extend(pq.read_table(p).to_pylist())
+        if not rows:
+            raise ValueError(f"dataset files {[str(p) for p in paths]} hold no rows")
+        self.rows = rows
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.index = 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def next(self, n: int) -> list[dict[str, Any]]:
+        """The next `n` rows (crossing epoch boundaries as needed)."""
+        out = []
+        for _ in range(n):
+            if self.index >= len(self._order):
+                self.epoch += 1
+                self.index = 0
+                self._order = self._permutation(self.epoch)
+            out.append(self.rows[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self.rows)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("size", len(self.rows)) != len(self.rows):
+            raise ValueError(
+                f"dataloader state is for {state['size']} rows but the dataset has "
+                f"{len(self.rows)}: the dataset changed since the checkpoint"
+            )
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.index = int(state["index"])
+        self._order = self._permutation(self.epoch)
