@@ -20,7 +20,7 @@ def traj(version: int = 0, reward: float = 1.0) -> Trajectory:
     return Trajectory([1, 2], [3], [-0.5], reward, version, version)
 
 
-def buf(b=2, threshold=2, strategy="drop", warmup=2) -> ReplayBuffer:
+def buf(b=2, threshold=3, strategy="drop", warmup=1) -> ReplayBuffer:
     return ReplayBuffer(BufferConfig(b, threshold, strategy, warmup))
 
 
@@ -34,7 +34,7 @@ def finish_all(rb: ReplayBuffer, version: int = 0) -> None:
 
 
 def test_lifecycle_and_oldest_first():
-    rb = buf(b=2, warmup=2)
+    rb = buf(b=2, warmup=1)
     assert rb.free_slots() == 4
     uids = fill(rb)
     assert rb.counts()["pending"] == 4 and rb.free_slots() == 0
@@ -54,7 +54,7 @@ def test_lifecycle_and_oldest_first():
 
 
 def test_admission_depth_counts_groups_taken_this_step():
-    rb = buf(b=2, warmup=2)
+    rb = buf(b=2, warmup=1)
     fill(rb)
     finish_all(rb)
     rb.sample(2)
@@ -66,7 +66,7 @@ def test_admission_depth_counts_groups_taken_this_step():
 
 
 def test_drop_evicts_stale_finished_and_refills_exactly_as_many():
-    rb = buf(b=2, threshold=2, strategy="drop", warmup=2)
+    rb = buf(b=2, threshold=2, strategy="drop", warmup=1)
     old = fill(rb)  # submitted at step 1
     rb.take_pending()
     rb.finish(old[0], [traj()])
@@ -86,7 +86,7 @@ def test_drop_evicts_stale_finished_and_refills_exactly_as_many():
 
 
 def test_drop_never_trains_span_above_threshold():
-    rb = buf(b=1, threshold=1, strategy="drop", warmup=1)
+    rb = buf(b=1, threshold=1, strategy="drop", warmup=0)
     fill(rb)
     (g,) = rb.take_pending()
     rb.begin_step(2)
@@ -96,7 +96,7 @@ def test_drop_never_trains_span_above_threshold():
 
 
 def test_wait_blocks_while_unfinished_group_reached_threshold():
-    rb = buf(b=1, threshold=2, strategy="wait", warmup=2)
+    rb = buf(b=1, threshold=2, strategy="wait", warmup=1)
     a, b = fill(rb)
     rb.take_pending()
     rb.finish(b, [traj()])
@@ -123,7 +123,7 @@ def test_wait_threshold_one_is_on_policy():
 
 
 def test_failed_groups_are_evicted_counted_and_refilled():
-    rb = buf(b=2, warmup=1)
+    rb = buf(b=2, warmup=0)
     uids = fill(rb)
     rb.take_pending()
     rb.fail(uids[0], "reward raised ZeroDivisionError")
@@ -136,7 +136,7 @@ def test_failed_groups_are_evicted_counted_and_refilled():
 
 
 def test_misuse_is_refused_with_clear_errors():
-    rb = buf(b=1, warmup=1)
+    rb = buf(b=1, warmup=0)
     with pytest.raises(ValueError, match="free slots"):
         rb.submit([{}, {}])
     (uid,) = fill(rb)
@@ -153,7 +153,8 @@ def test_misuse_is_refused_with_clear_errors():
         ({"groups_per_step": 0}, "groups_per_step"),
         ({"max_off_policy_threshold": 0}, "max_off_policy_threshold"),
         ({"max_off_policy_strategy": "skip"}, "max_off_policy_strategy"),
-        ({"num_warmup_batches": 3, "max_off_policy_threshold": 2}, "num_warmup_batches"),
+        ({"num_warmup_batches": -1}, "num_warmup_batches"),
+        ({"num_warmup_batches": 2, "max_off_policy_threshold": 2}, "num_warmup_batches"),
     ],
 )
 def test_config_errors_name_the_key(kwargs, key):
@@ -162,7 +163,7 @@ def test_config_errors_name_the_key(kwargs, key):
 
 
 def test_state_dict_keeps_finished_and_reissues_unfinished():
-    rb = buf(b=2, warmup=2)
+    rb = buf(b=2, warmup=1)
     uids = fill(rb)
     rb.take_pending(2)
     rb.finish(uids[0], [traj(version=0)])
@@ -181,7 +182,7 @@ def test_state_dict_keeps_finished_and_reissues_unfinished():
 
 
 async def test_async_sample_waits_and_wakes_on_finish():
-    ab = AsyncReplayBuffer(BufferConfig(1, 2, "drop", 1))
+    ab = AsyncReplayBuffer(BufferConfig(1, 2, "drop", 0))
     (g,) = await ab.submit([{"q": 1}])
     waiter = asyncio.create_task(ab.sample(1))
     await asyncio.sleep(0)
@@ -193,7 +194,7 @@ async def test_async_sample_waits_and_wakes_on_finish():
 
 
 async def test_async_sample_reports_evictions_and_frees_slots():
-    ab = AsyncReplayBuffer(BufferConfig(1, 1, "drop", 1))
+    ab = AsyncReplayBuffer(BufferConfig(1, 1, "drop", 0))
     await ab.submit([{"q": 1}])
     (g,) = await ab.take_pending()
     await ab.begin_step(2)

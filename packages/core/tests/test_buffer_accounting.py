@@ -17,11 +17,11 @@ class BufferMachine(RuleBasedStateMachine):
         b=st.integers(1, 4),
         threshold=st.integers(1, 3),
         strategy=st.sampled_from(["drop", "wait"]),
-        warmup=st.integers(1, 3),
+        warmup=st.integers(0, 3),
     )
     def setup(self, b, threshold, strategy, warmup):
         if strategy == "drop":
-            warmup = min(warmup, threshold)
+            warmup = min(warmup, threshold - 1)
         self.b = b
         self.rb = ReplayBuffer(BufferConfig(b, threshold, strategy, warmup))
         self.submitted: set[str] = set()

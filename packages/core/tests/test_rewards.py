@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from offbeat.core.registry import REWARD_FUNCTIONS
 from offbeat.core.rewards import (
     RewardError,
     RewardRegistry,
@@ -19,8 +20,16 @@ from offbeat.core.rewards import (
 )
 
 
-def test_builtins_are_registered():
-    assert {"exact_match", "math", "char_match"} <= set(registered_rewards())
+def test_builtins_are_registered_in_core_registry():
+    assert {"exact_match", "math", "char_match", "task"} <= set(registered_rewards())
+    assert {"task", "math"} <= set(REWARD_FUNCTIONS.names())
+
+
+def test_fixed_name_scores_every_row_and_kwargs_pass_through():
+    reg = RewardRegistry(name="exact_match")
+    assert reg.score("anything", "a", "a") == 1.0
+    reg = RewardRegistry({"mine": f"{__name__}:user_reward"}, kwargs={"bonus": 10})
+    assert reg.score("mine", "ab", None) == 12.0
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,12 @@
 
 from offbeat.core.buffer.actor import AsyncReplayBuffer, make_buffer_actor
 from offbeat.core.buffer.group import GroupStatus, PromptGroup, Trajectory
-from offbeat.core.buffer.replay_buffer import STRATEGIES, BufferConfig, ReplayBuffer
+from offbeat.core.buffer.replay_buffer import (
+    STRATEGIES,
+    BufferConfig,
+    ReplayBuffer,
+    drop_depth_message,
+)
 
 __all__ = [  # items, the pure core, blocking shells
     "STRATEGIES",
@@ -12,5 +17,6 @@ __all__ = [  # items, the pure core, blocking shells
     "PromptGroup",
     "ReplayBuffer",
     "Trajectory",
+    "drop_depth_message",
     "make_buffer_actor",
 ]

@@ -7,10 +7,11 @@ trainer waiting for a batch) wrap it: see `AsyncReplayBuffer`.
 
 Rules (DESIGN.md §3):
 - span of a group = current step - submission step + 1; batches are taken oldest first;
-- admission: at step s, at most `depth` batches' worth of groups are untrained, where
-  `depth` = num_warmup_batches (and, under `wait`, also at most max_off_policy_threshold),
-  counting the groups already taken at step s. So a group is trained at the latest at
-  span `depth` unless a straggler holds it back;
+- admission: at step s, at most `depth` batches' worth of groups are untrained, counting
+  the groups already taken at step s; `depth` = 1 + num_warmup_batches (the batch the
+  trainer takes next plus the warm-up batches generated ahead of it), and under `wait` at
+  most max_off_policy_threshold. So a group is trained at span `depth` unless a straggler
+  holds it back; num_warmup_batches=0 (or `wait` with threshold 1) is on-policy;
 - `drop`: a finished group whose span exceeds the threshold is evicted, counted, and its
   slot reopens, so exactly as many new prompts are admitted as were evicted;
 - `wait`: sampling is blocked while an unfinished group has reached the threshold;
@@ -32,18 +33,23 @@ STRATEGIES = ("drop", "wait")
 @dataclass
 class BufferConfig:
     """`groups_per_step`: prompt groups trained per global step (the train batch size in
-    prompts). `num_warmup_batches`: batches submitted before step 1 and kept in flight."""
+    prompts). `num_warmup_batches`: batches generated ahead of the one being trained
+    (submitted before step 1 and kept in flight)."""
 
     groups_per_step: int
     max_off_policy_threshold: int = 2
     max_off_policy_strategy: str = "drop"
-    num_warmup_batches: int = 2
+    num_warmup_batches: int = 1
 
     def __post_init__(self) -> None:
-        for key in ("groups_per_step", "max_off_policy_threshold", "num_warmup_batches"):
+        for key, low in (
+            ("groups_per_step", 1),
+            ("max_off_policy_threshold", 1),
+            ("num_warmup_batches", 0),
+        ):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"buffer.{key}={value!r}: must be an int > 0")
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"buffer.{key}={value!r}: must be an int >= {low}")
         if self.max_off_policy_strategy not in STRATEGIES:
             raise ValueError(
                 f"buffer.max_off_policy_strategy={self.max_off_policy_strategy!r}: "
@@ -51,22 +57,28 @@ class BufferConfig:
             )
         if (
             self.max_off_policy_strategy == "drop"
-            and self.num_warmup_batches > self.max_off_policy_threshold
+            and self.num_warmup_batches + 1 > self.max_off_policy_threshold
         ):
             # Steady-state span equals the pipeline depth: every group would be dropped.
             raise ValueError(
-                f"buffer.num_warmup_batches={self.num_warmup_batches} > "
-                f"max_off_policy_threshold={self.max_off_policy_threshold} under 'drop': "
-                "every group would be trained at span num_warmup_batches and be evicted; "
-                "use num_warmup_batches <= max_off_policy_threshold"
+                drop_depth_message(self.num_warmup_batches, self.max_off_policy_threshold)
             )
 
     @property
     def depth(self) -> int:
         """How many batches may be untrained at once (in the current step's window)."""
         if self.max_off_policy_strategy == "wait":
-            return min(self.num_warmup_batches, self.max_off_policy_threshold)
-        return self.num_warmup_batches
+            return min(self.num_warmup_batches + 1, self.max_off_policy_threshold)
+        return self.num_warmup_batches + 1
+
+
+def drop_depth_message(num_warmup_batches: int, threshold: int) -> str:
+    return (
+        f"num_warmup_batches={num_warmup_batches} with max_off_policy_threshold={threshold} "
+        f"under 'drop': groups are trained at span num_warmup_batches + 1 = "
+        f"{num_warmup_batches + 1} > {threshold}, so every one would be evicted; use "
+        f"num_warmup_batches <= {threshold - 1} (or the 'wait' strategy)"
+    )
 
 
 class ReplayBuffer:

@@ -1,6 +1,7 @@
 """Reward functions keyed by the dataset's `data_source`."""
 
 from offbeat.core.rewards.registry import (
+    BY_DATA_SOURCE,
     RewardError,
     RewardFn,
     RewardRegistry,
@@ -11,6 +12,7 @@ from offbeat.core.rewards.registry import (
 from offbeat.core.rewards.scorers import char_match, exact_match, extract_answer, math_answer
 
 __all__ = [  # registry and built-in scorers
+    "BY_DATA_SOURCE",
     "RewardError",
     "RewardFn",
     "RewardRegistry",

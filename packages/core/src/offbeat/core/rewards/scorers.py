@@ -9,7 +9,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from offbeat.core.rewards.registry import register_reward
+from offbeat.core.rewards.registry import BY_DATA_SOURCE, RewardError, register_reward
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _HASHES = re.compile(r"####\s*([^\n]*)")
@@ -70,3 +70,12 @@ def char_match(response: str, ground_truth: Any, **_: Any) -> float:
         return float(not got)
     hits = sum(a == b for a, b in zip(got, want, strict=False))
     return hits / max(len(got), len(want))
+
+
+@register_reward(BY_DATA_SOURCE)
+def by_data_source(response: str, ground_truth: Any, **_: Any) -> float:
+    """The "task" entry: a marker meaning 'use each row's data_source'. `RewardRegistry`
+    never calls it; calling it directly is a mistake."""
+    raise RewardError(
+        "reward 'task' dispatches on each row's data_source; score through RewardRegistry"
+    )
