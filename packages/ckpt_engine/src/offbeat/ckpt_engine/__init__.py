@@ -1,1 +1,61 @@
-"""placeholder"""
+"""offbeat.ckpt_engine: stream a trainer's weights to inference replicas, bucketed,
+versioned, never reported as applied unless every bucket arrived intact.
+
+Depends on torch (and numpy) only: no offbeat.core, no vLLM, no Megatron.
+"""
+
+from offbeat.ckpt_engine.bucket import ALIGN, Entry, Reassembler, plan_buckets
+from offbeat.ckpt_engine.errors import (
+    CheckpointEngineError,
+    ChecksumError,
+    PeerError,
+    StaleVersionError,
+    SyncTimeoutError,
+)
+from offbeat.ckpt_engine.manager import (
+    DEFAULT_BUCKET_BYTES,
+    PHASES,
+    CheckpointEngineManager,
+    SyncResult,
+)
+from offbeat.ckpt_engine.receive import receive
+from offbeat.ckpt_engine.registry import (
+    Backend,
+    Sender,
+    SendReport,
+    backends,
+    get_backend,
+    register_backend,
+)
+from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec, SyncTarget
+
+__all__ = [
+    # bucketing, shared by every backend
+    "ALIGN",
+    # lifecycle
+    "DEFAULT_BUCKET_BYTES",
+    "PHASES",
+    # backends
+    "Backend",
+    "CheckpointEngineError",
+    "CheckpointEngineManager",
+    # errors
+    "ChecksumError",
+    "Entry",
+    # the receiving side's contract
+    "LoadWeightsFn",
+    "PeerError",
+    "Reassembler",
+    "ReceiveSpec",
+    "SendReport",
+    "Sender",
+    "StaleVersionError",
+    "SyncResult",
+    "SyncTarget",
+    "SyncTimeoutError",
+    "backends",
+    "get_backend",
+    "plan_buckets",
+    "receive",
+    "register_backend",
+]

@@ -1,0 +1,262 @@
+"""The streaming protocol of backends whose two bucket buffers are mapped by sender and
+receivers alike (host shared memory, CUDA IPC): metadata and acks over the control channel,
+bytes through the shared buffers.
+
+Knows nothing about how buffers are allocated or attached; a `BufferPair` does that. The
+invariant it keeps: a buffer is refilled only after every live receiver acknowledged the
+bucket it held, and a receiver acknowledges only after `load_weights` returned and its
+copies finished.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from offbeat.ckpt_engine._wire import Conn, Listener, connect
+from offbeat.ckpt_engine.bucket import Entry, Reassembler, checksum, pack, plan_buckets
+from offbeat.ckpt_engine.errors import ChecksumError, PeerError, StaleVersionError
+from offbeat.ckpt_engine.registry import NamedTensors, Sender, SendReport
+from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec
+
+
+class BufferPair(ABC):
+    """The sender's two buffers and how a receiver finds them."""
+
+    buffers: list[torch.Tensor]
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Picklable data a receiver attaches with."""
+
+    def fence(self) -> None:  # noqa: B027
+        """Make the bytes just packed visible to other processes."""
+
+    def attached(self) -> None:  # noqa: B027
+        """Every receiver has attached (names may be unlinked now)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Free the buffers."""
+
+
+class SharedBufferSender(Sender):
+    def __init__(
+        self,
+        backend: str,
+        pair: BufferPair,
+        *,
+        version: int,
+        num_receivers: int,
+        bucket_bytes: int,
+        checksum: bool,
+        timeout_s: float,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self._backend, self._pair = backend, pair
+        self._version, self._n = version, num_receivers
+        self._bucket_bytes, self._checksum, self._timeout = bucket_bytes, checksum, timeout_s
+        self._listener = Listener(host)
+        self._token = secrets.token_hex(16)
+        self._conns: dict[int, Conn] = {}
+        self._failed: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._aborted: str | None = None
+
+    def spec(self, rank: int) -> ReceiveSpec:
+        channel = {
+            "address": list(self._listener.address),
+            "token": self._token,
+            "bucket_bytes": self._bucket_bytes,
+        }
+        channel.update(self._pair.describe())
+        return ReceiveSpec(
+            self._backend, self._version, channel, rank, self._checksum, self._timeout
+        )
+
+    # -- failure bookkeeping (thread-safe: the manager calls drop/abort from its loop) --
+    def _fail(self, rank: int, reason: str) -> None:
+        with self._lock:
+            self._failed.setdefault(rank, reason)
+            conn = self._conns.pop(rank, None)
+        if conn is not None:
+            conn.close()
+
+    def drop(self, rank: int, reason: str) -> None:
+        self._fail(rank, reason)
+
+    def abort(self, reason: str) -> None:
+        self._aborted = reason
+        for rank in range(self._n):
+            self._fail(rank, reason)
+        self._listener.close()
+
+    def _live(self) -> list[tuple[int, Conn]]:
+        with self._lock:
+            return sorted(self._conns.items())
+
+    def _accept(self) -> None:
+        deadline = time.monotonic() + self._timeout
+        while len(self._conns) + len(self._failed) < self._n and self._aborted is None:
+            conn = self._listener.accept(min(deadline, time.monotonic() + 0.2))
+            if conn is None:
+                if time.monotonic() >= deadline:
+                    break
+                continue
+            try:
+                hello = conn.recv(self._timeout)
+            except PeerError:
+                conn.close()
+                continue
+            rank = hello.get("rank")
+            if (
+                hello.get("token") != self._token
+                or not isinstance(rank, int)
+                or not 0 <= rank < self._n
+            ):
+                conn.close()
+                continue
+            if hello.get("refuse"):
+                conn.close()
+                self._fail(rank, hello["refuse"])
+                continue
+            with self._lock:
+                if rank in self._failed or rank in self._conns:
+                    conn.close()
+                    continue
+                self._conns[rank] = conn
+        for rank in range(self._n):
+            if rank not in self._conns:
+                self._fail(rank, f"receiver {rank} did not connect within {self._timeout:.1f}s")
+        self._listener.close()
+        self._pair.attached()
+
+    def _wait_acks(self, index: int, kind: str = "ack") -> None:
+        for rank, conn in self._live():
+            try:
+                msg = conn.recv(self._timeout)
+            except PeerError as e:
+                self._fail(rank, f"receiver {rank} failed during bucket {index}: {e}")
+                continue
+            if msg.get("type") == "error":
+                self._fail(rank, msg.get("reason", "receiver reported an error"))
+            elif msg.get("type") != kind or (kind == "ack" and msg.get("index") != index):
+                self._fail(
+                    rank, f"receiver {rank} broke the protocol: expected {kind} {index}, got {msg}"
+                )
+
+    def _publish(self, msg: dict[str, Any]) -> None:
+        for rank, conn in self._live():
+            try:
+                conn.send(msg)
+            except PeerError as e:
+                self._fail(rank, f"receiver {rank}: {e}")
+
+    def send(self, named_tensors: NamedTensors) -> SendReport:
+        t0 = time.perf_counter()
+        report = SendReport()
+        try:
+            self._accept()
+            for bucket in plan_buckets(named_tensors, self._bucket_bytes):
+                if not self._live():
+                    break
+                slot = bucket.index % 2
+                if bucket.index >= 2:
+                    self._wait_acks(bucket.index - 2)
+                view = pack(bucket, self._pair.buffers[slot])
+                self._pair.fence()
+                msg = {
+                    "type": "bucket",
+                    "index": bucket.index,
+                    "slot": slot,
+                    "filled": bucket.filled,
+                    "entries": [e.to_json() for e in bucket.entries],
+                    "checksum": checksum(view) if self._checksum else None,
+                }
+                del bucket, view
+                self._publish(msg)
+                report.buckets += 1
+                report.bytes += msg["filled"]
+            for index in range(max(0, report.buckets - 2), report.buckets):
+                self._wait_acks(index)
+            self._publish({"type": "end", "buckets": report.buckets})
+            self._wait_acks(report.buckets, kind="done")
+        except BaseException as e:
+            self.abort(f"sender failed: {type(e).__name__}: {e}")
+            raise
+        finally:
+            for _rank, conn in self._live():
+                conn.close()
+            self._pair.close()
+            self._listener.close()
+        if self._aborted is not None:
+            for rank in range(self._n):
+                self._failed.setdefault(rank, self._aborted)
+        report.failed = dict(self._failed)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+
+def check_version(spec: ReceiveSpec, current_version: int | None) -> None:
+    if current_version is not None and spec.version < current_version:
+        raise StaleVersionError(spec.version, current_version)
+
+
+def receive_shared(
+    spec: ReceiveSpec,
+    load_weights: LoadWeightsFn,
+    current_version: int | None,
+    attach,
+    fence=lambda: None,
+) -> int:
+    """The receiver's loop: attach the buffers, then load and ack bucket after bucket."""
+    ch = spec.channel
+    stale: StaleVersionError | None = None
+    try:
+        check_version(spec, current_version)
+    except StaleVersionError as e:
+        stale = e
+    buffers = None if stale else attach(ch)
+    conn = connect(ch["address"], spec.timeout_s)
+    try:
+        hello: dict[str, Any] = {"token": ch["token"], "rank": spec.rank}
+        if stale is not None:
+            hello["refuse"] = str(stale)
+            conn.send(hello)
+            raise stale
+        conn.send(hello)
+        reasm = Reassembler()
+        expected = 0
+        while True:
+            msg = conn.recv(spec.timeout_s)
+            kind = msg.get("type")
+            if kind == "end":
+                if msg["buckets"] != expected:
+                    raise PeerError(
+                        f"sender ended after {msg['buckets']} buckets, received {expected}"
+                    )
+                reasm.finish()
+                conn.send({"type": "done", "version": spec.version})
+                return spec.version
+            if kind != "bucket" or msg["index"] != expected:
+                raise PeerError(f"expected bucket {expected}, got {msg}")
+            view = buffers[msg["slot"]][: msg["filled"]]
+            if spec.checksum:
+                got = checksum(view)
+                if got != msg["checksum"]:
+                    err = ChecksumError(msg["index"], msg["checksum"], got)
+                    conn.send({"type": "error", "reason": str(err)})
+                    raise err
+            tensors = reasm.take([Entry.from_json(e) for e in msg["entries"]], view)
+            if tensors:
+                load_weights(tensors)
+            del tensors, view
+            fence()  # copies out of the buffer are complete before the buffer is given back
+            conn.send({"type": "ack", "index": expected})
+            expected += 1
+    finally:
+        conn.close()

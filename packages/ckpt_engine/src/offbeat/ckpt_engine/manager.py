@@ -1,0 +1,237 @@
+"""CheckpointEngineManager: one weight sync across a pool of replicas.
+
+Runs abort -> release KV -> transfer -> resume KV -> resume on every replica concurrently,
+each phase under a timeout, and reports which replicas got the new version and why the
+others did not. Knows nothing about the engines behind the `SyncTarget`s nor about how
+bytes travel (the backend does); it never imports Ray, vLLM or a trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offbeat.ckpt_engine.bucket import ALIGN
+from offbeat.ckpt_engine.errors import StaleVersionError
+from offbeat.ckpt_engine.registry import Backend, SendReport, get_backend
+from offbeat.ckpt_engine.target import SyncTarget
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "PHASES", "CheckpointEngineManager", "SyncResult"]
+
+# 256 MiB: see the README's "Bucket size" for the measurement behind it.
+DEFAULT_BUCKET_BYTES = 256 << 20
+PHASES = ("abort", "release_kv", "transfer", "resume_kv", "resume")
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class SyncResult:
+    """The outcome of one sync. A replica in `failed` did not get `version`; it is left
+    paused with its KV cache released, so it serves nothing half-updated."""
+
+    version: int
+    succeeded: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    phase_s: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+    buckets: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    @property
+    def transfer_gbps(self) -> float:
+        """Bytes streamed per second of the transfer phase, in GB/s (1e9 bytes)."""
+        s = self.phase_s.get("transfer", 0.0)
+        return self.bytes / s / 1e9 if s > 0 else 0.0
+
+
+class CheckpointEngineManager:
+    """Syncs weights from this process to a set of `SyncTarget` replicas.
+
+    Replicas are registered with `add_target`/`remove_target` or passed per `sync` call
+    (elastic pools). Backends that build process groups keep them across syncs while the
+    set of replicas is unchanged.
+    """
+
+    def __init__(
+        self,
+        backend: str | Backend = "shm",
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        phase_timeout_s: float = 300.0,
+        transfer_timeout_s: float | None = None,
+        checksum: bool = False,
+        backend_options: Mapping[str, Any] | None = None,
+        targets: Mapping[str, SyncTarget] | None = None,
+    ) -> None:
+        if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+            raise ValueError(
+                f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}"
+            )
+        if phase_timeout_s <= 0:
+            raise ValueError(f"phase_timeout_s must be > 0, got {phase_timeout_s!r}")
+        if isinstance(backend, Backend):
+            self._backend = backend
+        else:
+            self._backend = get_backend(backend)(**dict(backend_options or {}))
+        self.bucket_bytes = bucket_bytes
+        self.phase_timeout_s = phase_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s or phase_timeout_s
+        self.checksum = checksum
+        self._targets: dict[str, SyncTarget] = {}
+        self._lock = asyncio.Lock()
+        for name, t in (targets or {}).items():
+            self.add_target(name, t)
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def targets(self) -> dict[str, SyncTarget]:
+        return dict(self._targets)
+
+    def add_target(self, name: str, target: SyncTarget) -> None:
+        if name in self._targets:
+            raise ValueError(f"replica {name!r} is already registered; remove it first")
+        if not isinstance(target, SyncTarget):
+            raise TypeError(
+                f"replica {name!r} does not implement SyncTarget: {type(target).__name__}"
+            )
+        self._targets[name] = target
+
+    def remove_target(self, name: str) -> SyncTarget:
+        try:
+            return self._targets.pop(name)
+        except KeyError:
+            raise KeyError(
+                f"no replica named {name!r}; registered: {sorted(self._targets)}"
+            ) from None
+
+    def close(self) -> None:
+        self._backend.close()
+
+    async def sync(
+        self,
+        named_tensors: NamedTensors | Callable[[], NamedTensors],
+        version: int,
+        targets: Mapping[str, SyncTarget] | None = None,
+    ) -> SyncResult:
+        """Move `named_tensors` (an iterable of (HF name, tensor), or a factory of one) to
+        every replica as weight `version`. Never raises for a replica's failure: it is
+        reported in `SyncResult.failed`."""
+        pool = dict(self._targets if targets is None else targets)
+        async with self._lock:
+            return await self._sync(named_tensors, version, pool)
+
+    async def _sync(self, named_tensors, version: int, pool: dict[str, SyncTarget]) -> SyncResult:
+        result = SyncResult(version)
+        alive: list[str] = []
+        for name in sorted(pool):
+            try:
+                held = pool[name].weight_version
+            except Exception as e:
+                result.failed[name] = f"weight_version: {type(e).__name__}: {e}"
+                continue
+            if held is not None and held > version:
+                result.failed[name] = str(StaleVersionError(version, held))
+            else:
+                alive.append(name)
+
+        async def phase(name: str, call: Callable[[SyncTarget], Awaitable[Any]]) -> None:
+            t0 = time.perf_counter()
+            outcomes = await asyncio.gather(*(self._guard(name, call, pool[n]) for n in alive))
+            for n, reason in zip(list(alive), outcomes, strict=True):
+                if reason is not None:
+                    result.failed[n] = reason
+                    alive.remove(n)
+            result.phase_s[name] = time.perf_counter() - t0
+
+        await phase("abort", lambda t: t.abort_all())
+        await phase("release_kv", lambda t: t.release_kv_cache())
+        t0 = time.perf_counter()
+        if alive:
+            report = await self._transfer(
+                named_tensors, version, {n: pool[n] for n in alive}, result
+            )
+            result.bytes, result.buckets = report.bytes, report.buckets
+            for n in [n for n in alive if n in result.failed]:
+                alive.remove(n)
+        result.phase_s["transfer"] = time.perf_counter() - t0
+        await phase("resume_kv", lambda t: t.resume_kv_cache())
+        await phase("resume", lambda t: t.resume())
+        result.succeeded = list(alive)
+        return result
+
+    async def _guard(self, phase: str, call, target: SyncTarget) -> str | None:
+        try:
+            await asyncio.wait_for(call(target), self.phase_timeout_s)
+        except TimeoutError:
+            return f"{phase}: no answer within {self.phase_timeout_s:.1f}s"
+        except Exception as e:
+            return f"{phase}: {type(e).__name__}: {e}"
+        return None
+
+    async def _transfer(
+        self, named_tensors, version: int, pool: dict[str, SyncTarget], result: SyncResult
+    ) -> SendReport:
+        names = list(pool)
+        timeout = self.transfer_timeout_s
+        sender = self._backend.open_sender(
+            version=version,
+            num_receivers=len(names),
+            bucket_bytes=self.bucket_bytes,
+            checksum=self.checksum,
+            timeout_s=timeout,
+            members=tuple(names),
+        )
+        stream = named_tensors() if callable(named_tensors) else named_tensors
+        send_task = asyncio.ensure_future(asyncio.to_thread(sender.send, stream))
+        reasons: dict[str, str] = {}
+
+        async def receive_one(rank: int, name: str) -> None:
+            try:
+                got = await pool[name].update_weights(sender.spec(rank))
+                if got != version:
+                    raise RuntimeError(
+                        f"replica reported version {got} after a sync to version {version}"
+                    )
+            except Exception as e:
+                reasons[name] = f"transfer: {type(e).__name__}: {e}"
+                sender.drop(rank, reasons[name])
+
+        recv_tasks = [asyncio.ensure_future(receive_one(r, n)) for r, n in enumerate(names)]
+        _done, pending = await asyncio.wait([send_task, *recv_tasks], timeout=timeout)
+        if pending:
+            sender.abort(f"transfer did not finish within {timeout:.1f}s")
+            for name, task in zip(names, recv_tasks, strict=True):
+                if not task.done():
+                    task.cancel()
+                    reasons.setdefault(name, f"transfer: no answer within {timeout:.1f}s")
+            await asyncio.wait(recv_tasks, timeout=5.0)
+            # The sender's waits end once aborted; give its thread a moment to unwind.
+            await asyncio.wait([send_task], timeout=5.0)
+        report = SendReport()
+        if send_task.done() and not send_task.cancelled():
+            if send_task.exception() is not None:
+                err = send_task.exception()
+                for name in names:
+                    reasons.setdefault(
+                        name, f"transfer: sender failed: {type(err).__name__}: {err}"
+                    )
+            else:
+                report = send_task.result()
+        for rank, name in enumerate(names):
+            if name in reasons:
+                result.failed[name] = reasons[name]
+            elif rank in report.failed:
+                result.failed[name] = f"transfer: {report.failed[rank]}"
+        return report
