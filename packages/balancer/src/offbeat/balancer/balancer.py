@@ -1,0 +1,230 @@
+"""LoadBalancer: leases on server replicas, sticky sessions, drain and health, thread-safe.
+
+Knows nothing about what a server is or how to call it (a handle is opaque: a URL, a Ray
+actor, a client) and nothing about asyncio or Ray: those are thin wrappers in `aio` and
+`actor`. One lock guards all state; every operation under it is O(1) or O(log N).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from offbeat.balancer.lease import Lease, NoServerAvailable
+from offbeat.balancer.policies import Policy, make_policy
+from offbeat.balancer.pool import Server, ServerPool
+
+__all__ = ["LoadBalancer"]
+
+
+def _items(servers: Mapping[str, Any] | Iterable[str] | None) -> list[tuple[str, Any]]:
+    """(id, handle) pairs from a mapping; (id, None) from an iterable of ids."""
+    if servers is None:
+        return []
+    if isinstance(servers, str):
+        raise TypeError(
+            f"servers must be a mapping id -> handle or an iterable of ids, got the str "
+            f"{servers!r}; wrap a single id in a list"
+        )
+    if isinstance(servers, Mapping):
+        return list(servers.items())
+    return [(sid, _ID_ONLY) for sid in servers]
+
+
+_ID_ONLY = object()  # re-adding by id alone keeps the current handle (None for a new server)
+
+
+class LoadBalancer:
+    """Routes requests to server replicas by policy; counts every open lease exactly.
+
+    `servers`: a mapping server_id -> handle, or an iterable of ids (handle None).
+    `policy`: a registered name (`available_policies()`) or a `Policy` instance.
+    `sticky_capacity`: how many request_id -> server entries to remember (LRU; 0 disables).
+    `seed`: seeds the policies' randomness and the initial order among equal loads.
+    `max_inflight`: optional per-server cap on in-flight cost; a full pool raises
+    `NoServerAvailable` (the async wrapper waits instead).
+    """
+
+    def __init__(
+        self,
+        servers: Mapping[str, Any] | Iterable[str] | None = None,
+        *,
+        policy: str | Policy = "least_inflight",
+        sticky_capacity: int = 10_000,
+        seed: int | None = None,
+        max_inflight: int | None = None,
+    ) -> None:
+        if type(sticky_capacity) is not int or sticky_capacity < 0:
+            raise ValueError(f"sticky_capacity must be an int >= 0, got {sticky_capacity!r}")
+        self._lock = threading.Lock()
+        self._pool = ServerPool(seed=seed, max_inflight=max_inflight)
+        self._policy = make_policy(policy)
+        self._sticky: OrderedDict[Any, Server] = OrderedDict()
+        self._sticky_capacity = sticky_capacity
+        self._listeners: list[Callable[[], None]] = []
+        self.add_servers(servers)
+        with self._lock:
+            self._pool.shuffle_ties()
+
+    # ---- routing --------------------------------------------------------------------------
+    def acquire(
+        self,
+        request_id: Any,
+        *,
+        group_id: Any = None,
+        prompt_ids: Sequence[int] | None = None,
+        cost: int = 1,
+    ) -> Lease:
+        """Route `request_id`; returns a Lease to release when the request is done.
+
+        Raises NoServerAvailable when no server accepts it (none, all draining/unhealthy/full).
+        """
+        if cost.__class__ is not int or cost < 1:
+            raise ValueError(f"cost must be an int >= 1, got {cost!r}")
+        with self._lock:
+            sticky = self._sticky
+            srv = sticky.get(request_id)
+            if srv is not None and srv.accepting and self._pool.has_room(srv, cost):
+                sticky.move_to_end(request_id)
+            else:
+                srv = self._policy.select(self._pool, request_id, group_id, prompt_ids, cost)
+                if srv is None:
+                    raise NoServerAvailable(self._why_none(cost))
+                if self._sticky_capacity:
+                    sticky[request_id] = srv
+                    sticky.move_to_end(request_id)
+                    if len(sticky) > self._sticky_capacity:
+                        sticky.popitem(last=False)
+            self._pool.charge(srv, cost)
+            return Lease(srv, request_id, cost)
+
+    def release(self, lease: Lease) -> bool:
+        """End `lease`. True the first time; False for a repeat or if its server was removed."""
+        srv = lease._server
+        if srv.pool is not self._pool:
+            raise ValueError(f"{lease!r} was not issued by this LoadBalancer")
+        with self._lock:
+            if not lease._open:
+                return False
+            lease._open = False
+            if srv.removed:
+                return False
+            self._pool.discharge(srv, lease.cost)
+        if self._listeners:
+            self._notify()
+        return True
+
+    # ---- membership and health ------------------------------------------------------------
+    def add_servers(self, servers: Mapping[str, Any] | Iterable[str]) -> None:
+        """Add servers (mapping id -> handle, or ids). A known id keeps its count and comes
+        back from draining; a mapping replaces its handle. A removed id starts a new
+        incarnation at 0, which old leases never touch."""
+        items = _items(servers)
+        if not items:
+            return
+        with self._lock:
+            for sid, handle in items:
+                if handle is _ID_ONLY:
+                    self._pool.add(sid)
+                else:
+                    self._pool.add(sid, handle)
+        self._notify()
+
+    def remove_servers(self, ids: Iterable[str], *, drain: bool = False) -> set[str]:
+        """Stop routing to `ids`. drain=False forgets them now (their open leases release as
+        no-ops); drain=True keeps counting their open leases and drops each server once its
+        count reaches 0. Returns the ids removed or set draining; unknown ids are ignored."""
+        if isinstance(ids, str):
+            ids = [ids]
+        done: set[str] = set()
+        with self._lock:
+            for sid in ids:
+                if self._pool.remove(sid, drain=drain):
+                    done.add(sid)
+        return done
+
+    def mark_unhealthy(self, server_id: str) -> bool:
+        """No new requests (sticky sessions move); open leases release normally.
+        Returns False for an unknown id."""
+        with self._lock:
+            return self._pool.set_healthy(server_id, False) is not None
+
+    def mark_healthy(self, server_id: str) -> bool:
+        """Undo `mark_unhealthy`. Returns False for an unknown id."""
+        with self._lock:
+            known = self._pool.set_healthy(server_id, True) is not None
+        if known:
+            self._notify()
+        return known
+
+    # ---- reading --------------------------------------------------------------------------
+    def inflight(self, server_id: str) -> int:
+        """Sum of the costs of open leases on the current incarnation; 0 for unknown ids."""
+        srv = self._pool.get(server_id)
+        return srv.inflight if srv is not None else 0
+
+    def servers(self) -> list[str]:
+        """Ids that accept new requests, in registration order."""
+        with self._lock:
+            return [s.id for s in self._pool.active]
+
+    def status(self) -> dict[str, Any]:
+        """{"servers": {id: inflight}, "total_inflight", "active", "draining", "unhealthy"}."""
+        with self._lock:
+            every = self._pool.all()
+            counts = {s.id: s.inflight for s in every}
+            return {
+                "servers": counts,
+                "total_inflight": sum(counts.values()),
+                "active": [s.id for s in every if s.accepting],
+                "draining": [s.id for s in every if s.draining],
+                "unhealthy": [s.id for s in every if not s.healthy],
+            }
+
+    def clear_sticky(self) -> int:
+        """Forget every sticky session; returns how many entries were cleared."""
+        with self._lock:
+            n = len(self._sticky)
+            self._sticky.clear()
+            return n
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    # ---- wake-ups (used by the async wrapper) --------------------------------------------
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` (outside the lock, from the calling thread) whenever capacity may
+        have appeared: a server added or marked healthy, or a lease released."""
+        with self._lock:
+            self._listeners = [*self._listeners, callback]
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners = [cb for cb in self._listeners if cb is not callback]
+
+    def _notify(self) -> None:
+        for cb in self._listeners:  # a copy-on-write list: safe to iterate without the lock
+            cb()
+
+    def _why_none(self, cost: int) -> str:
+        every = self._pool.all()
+        if not every:
+            return "no servers registered (add_servers first)"
+        if not self._pool.active:
+            return (
+                f"all {len(every)} servers are draining or unhealthy "
+                f"({', '.join(repr(s) for s in every[:8])})"
+            )
+        return (
+            f"every accepting server is at max_inflight={self._pool.max_inflight} "
+            f"(request cost {cost})"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"LoadBalancer(policy={self._policy.name!r}, servers={len(self._pool.all())}, "
+            f"active={len(self._pool.active)})"
+        )
