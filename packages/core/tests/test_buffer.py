@@ -12,8 +12,8 @@ from offbeat.core.buffer import (
     BufferConfig,
     GroupStatus,
     ReplayBuffer,
-    Trajectory,
 )
+from offbeat.core.data import Trajectory
 
 
 def traj(version: int = 0, reward: float = 1.0) -> Trajectory:

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from offbeat.core.buffer import BufferConfig, GroupStatus, ReplayBuffer, Trajectory
+from offbeat.core.buffer import BufferConfig, GroupStatus, ReplayBuffer
+from offbeat.core.data import Trajectory
 
 
 class BufferMachine(RuleBasedStateMachine):

@@ -1,7 +1,7 @@
 """The staleness-bounded replay buffer between rollout and training."""
 
 from offbeat.core.buffer.actor import AsyncReplayBuffer, make_buffer_actor
-from offbeat.core.buffer.group import GroupStatus, PromptGroup, Trajectory
+from offbeat.core.buffer.group import GroupStatus, PromptGroup
 from offbeat.core.buffer.replay_buffer import (
     STRATEGIES,
     BufferConfig,
@@ -16,7 +16,6 @@ __all__ = [  # items, the pure core, blocking shells
     "GroupStatus",
     "PromptGroup",
     "ReplayBuffer",
-    "Trajectory",
     "drop_depth_message",
     "make_buffer_actor",
 ]

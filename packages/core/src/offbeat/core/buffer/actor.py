@@ -12,8 +12,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from offbeat.core.buffer.group import PromptGroup, Trajectory
+from offbeat.core.buffer.group import PromptGroup
 from offbeat.core.buffer.replay_buffer import BufferConfig, ReplayBuffer
+from offbeat.core.data import Trajectory
 
 
 class AsyncReplayBuffer:

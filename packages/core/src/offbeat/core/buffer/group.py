@@ -1,8 +1,9 @@
 """The items a replay buffer holds: prompt groups and the trajectories sampled for them.
 
-Knows nothing about tokenizers, engines or training: a trajectory is token ids, log-probs,
-a reward and the weight versions that produced it; a group is one prompt's `n` samples
-with a lifecycle (pending -> running -> finished | failed) and the step it was submitted at.
+Knows nothing about tokenizers, engines or training: a trajectory (`offbeat.core.data`)
+is token ids, log-probs, a reward and the weight versions that produced it; a group is one
+prompt's `n` samples with a lifecycle (pending -> running -> finished | failed) and the
+step it was submitted at.
 """
 
 from __future__ import annotations
@@ -11,40 +12,14 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from offbeat.core.data import Trajectory
+
 
 class GroupStatus(enum.StrEnum):
     PENDING = "pending"  # submitted, waiting for a rollout worker
     RUNNING = "running"  # a worker is generating its samples
     FINISHED = "finished"  # every sample has a reward; waiting to be trained on
     FAILED = "failed"  # a reward function or the engine raised; evicted and counted
-
-
-@dataclass
-class Trajectory:
-    """One sampled response to one prompt.
-
-    `response_logprobs[i]` is the behaviour-policy log-probability of `response_ids[i]`
-    (from the rollout engine). `min_weight_version` / `max_weight_version` bound the
-    weight versions that produced any of the tokens (they differ after a partial rollout
-    resumed across a weight sync).
-    """
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_logprobs: list[float]
-    reward: float
-    min_weight_version: int
-    max_weight_version: int
-    stop_reason: str = "stop"
-    num_preempted: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        return cls(**d)
 
 
 @dataclass
@@ -81,7 +56,7 @@ class PromptGroup:
             "prompt": self.prompt,
             "submission_step": self.submission_step,
             "status": self.status.value,
-            "trajectories": [t.to_dict() for t in self.trajectories],
+            "trajectories": [asdict(t) for t in self.trajectories],
             "error": self.error,
         }
 
@@ -93,6 +68,6 @@ class PromptGroup:
             prompt=d["prompt"],
             submission_step=d["submission_step"],
             status=GroupStatus(d["status"]),
-            trajectories=[Trajectory.from_dict(t) for t in d["trajectories"]],
+            trajectories=[Trajectory(**t) for t in d["trajectories"]],
             error=d.get("error"),
         )

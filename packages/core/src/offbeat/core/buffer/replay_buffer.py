@@ -25,7 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from offbeat.core.buffer.group import GroupStatus, PromptGroup, Trajectory
+from offbeat.core.buffer.group import GroupStatus, PromptGroup
+from offbeat.core.data import Trajectory
 
 STRATEGIES = ("drop", "wait")
 
