@@ -56,6 +56,8 @@ def test_no_server_available_is_a_runtime_error():
     with pytest.raises(RuntimeError, match="No available servers"):
         lb.acquire("r")
     assert issubclass(NoServerAvailable, RuntimeError)
+    err = pickle.loads(pickle.dumps(NoServerAvailable("x")))
+    assert str(err) == "No available servers: x"
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.0, True, "1"])
@@ -271,16 +273,16 @@ def test_max_inflight_caps_each_server():
 def test_listeners_hear_adds_health_and_releases():
     lb = LoadBalancer(["a"])
     calls = []
-    cb = lambda: calls.append(1)  # noqa: E731
-    lb.add_listener(cb)
+    lb.add_listener(calls.append)
     lease = lb.acquire("r")
     assert calls == []
     lb.release(lease)
+    lb.release(lease)  # a repeat frees nothing
     lb.add_servers(["b"])
     lb.mark_unhealthy("b")
     lb.mark_healthy("b")
-    assert len(calls) == 3
-    lb.remove_listener(cb)
+    assert calls == ["released", "added", "healthy"]
+    lb.remove_listener(calls.append)
     lb.release(lb.acquire("r"))
     assert len(calls) == 3
 

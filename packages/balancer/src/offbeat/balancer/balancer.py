@@ -63,7 +63,7 @@ class LoadBalancer:
         self._policy = make_policy(policy)
         self._sticky: OrderedDict[Any, Server] = OrderedDict()
         self._sticky_capacity = sticky_capacity
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[str], None]] = []
         self.add_servers(servers)
         with self._lock:
             self._pool.shuffle_ties()
@@ -113,7 +113,7 @@ class LoadBalancer:
                 return False
             self._pool.discharge(srv, lease.cost)
         if self._listeners:
-            self._notify()
+            self._notify("released")
         return True
 
     # ---- membership and health ------------------------------------------------------------
@@ -130,7 +130,7 @@ class LoadBalancer:
                     self._pool.add(sid)
                 else:
                     self._pool.add(sid, handle)
-        self._notify()
+        self._notify("added")
 
     def remove_servers(self, ids: Iterable[str], *, drain: bool = False) -> set[str]:
         """Stop routing to `ids`. drain=False forgets them now (their open leases release as
@@ -156,7 +156,7 @@ class LoadBalancer:
         with self._lock:
             known = self._pool.set_healthy(server_id, True) is not None
         if known:
-            self._notify()
+            self._notify("healthy")
         return known
 
     # ---- reading --------------------------------------------------------------------------
@@ -195,19 +195,19 @@ class LoadBalancer:
         return self._policy
 
     # ---- wake-ups (used by the async wrapper) --------------------------------------------
-    def add_listener(self, callback: Callable[[], None]) -> None:
-        """Call `callback()` (outside the lock, from the calling thread) whenever capacity may
-        have appeared: a server added or marked healthy, or a lease released."""
+    def add_listener(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(kind)` (outside the lock, in the calling thread) whenever capacity may
+        have appeared: kind is "added" (servers added), "healthy" or "released" (a lease)."""
         with self._lock:
             self._listeners = [*self._listeners, callback]
 
-    def remove_listener(self, callback: Callable[[], None]) -> None:
+    def remove_listener(self, callback: Callable[[str], None]) -> None:
         with self._lock:
-            self._listeners = [cb for cb in self._listeners if cb is not callback]
+            self._listeners = [cb for cb in self._listeners if cb != callback]
 
-    def _notify(self) -> None:
+    def _notify(self, kind: str) -> None:
         for cb in self._listeners:  # a copy-on-write list: safe to iterate without the lock
-            cb()
+            cb(kind)
 
     def _why_none(self, cost: int) -> str:
         every = self._pool.all()

@@ -18,8 +18,11 @@ class NoServerAvailable(RuntimeError):
     """No server accepts new requests (none registered, all draining, unhealthy or full)."""
 
     def __init__(self, detail: str = "") -> None:
-        msg = "No available servers"
-        super().__init__(f"{msg}: {detail}" if detail else msg)
+        self.detail = detail or "no server accepts requests"
+        super().__init__(f"No available servers: {self.detail}")
+
+    def __reduce__(self):  # survive pickling (Ray ships exceptions) without doubling the text
+        return (type(self), (self.detail,))
 
 
 class Lease:
