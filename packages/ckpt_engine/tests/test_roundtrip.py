@@ -10,7 +10,7 @@ from ckpt_engine_fakes import BUCKET, ProcessTarget, digest
 
 from offbeat.ckpt_engine import CheckpointEngineManager, backends
 
-CPU_BACKENDS = ["naive", "shm"]
+CPU_BACKENDS = ["naive", "shm", "disk", "broadcast"]
 
 
 def assert_same(sent: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,383 @@
+"""`broadcast`: buckets go out by torch.distributed broadcast over a process group built for
+the sync: gloo for CPU tensors (testable anywhere), nccl for CUDA, the device's registered
+backend elsewhere (e.g. hccl).
+
+Rank layout, fixed: senders 0..S-1, then receivers in the manager's member order. The group
+is built once per membership (all ranks rendezvous through a TCPStore hosted by sender 0,
+with a timeout) and reused while the membership is unchanged; a failed collective drops it
+and the next sync builds a fresh one. Bucket metadata travels through the store, bytes
+through the collective, exactly `filled` bytes per bucket. With several senders (a sharded
+trainer), each streams its own shard in rank order; other senders also receive those
+buckets, which they discard. Knows nothing about the trainer's own process groups: it never
+touches the default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from offbeat.ckpt_engine._shared_buffer import check_version
+from offbeat.ckpt_engine.bucket import Entry, Reassembler, checksum, pack, plan_buckets
+from offbeat.ckpt_engine.errors import ChecksumError, PeerError, StaleVersionError, SyncTimeoutError
+from offbeat.ckpt_engine.registry import Backend, NamedTensors, Sender, SendReport, register_backend
+from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec
+
+__all__ = ["BroadcastBackend", "send_shard"]
+
+
+def _pg_backend(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "gloo"
+    if device.type == "cuda":
+        return "nccl"
+    name = dist.Backend.default_device_backend_map.get(device.type)
+    if name is None:
+        raise ValueError(f"broadcast: no torch.distributed backend for device type {device.type!r}")
+    return name
+
+
+def _new_group(store: dist.Store, key: str, backend: str, rank: int, world: int, timeout_s: float):
+    """Build the sync's own process group (never the default one)."""
+    prefix = dist.PrefixStore(f"pg/{key}/", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefix, rank, world, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, rank, world, opts)
+    plugin = dist.Backend._plugins.get(backend.upper())
+    if plugin is None:
+        raise ValueError(f"broadcast: torch.distributed backend {backend!r} is not registered")
+    return plugin.creator_fn(prefix, rank, world, timeout)
+
+
+class _Group:
+    """A process group and the store it was built through, for one membership."""
+
+    def __init__(self, store: dist.Store, key: str, backend: str, rank: int, world: int) -> None:
+        self.store, self.key, self.backend, self.rank, self.world = store, key, backend, rank, world
+        self.pg = None
+
+    def build(self, timeout_s: float) -> _Group:
+        if self.pg is None:
+            self.pg = _new_group(
+                self.store, self.key, self.backend, self.rank, self.world, timeout_s
+            )
+        return self
+
+    def broadcast(self, t: torch.Tensor, root: int):
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        return self.pg.broadcast([t], opts)
+
+
+# Groups this process joined as a receiver or extra sender, keyed by (store, group key, rank).
+_JOINED: dict[tuple, _Group] = {}
+_JOINED_LOCK = threading.Lock()
+
+
+def _join(ch: dict[str, Any], rank: int, timeout_s: float) -> _Group:
+    k = (tuple(ch["store"]), ch["group"], rank)
+    with _JOINED_LOCK:
+        g = _JOINED.get(k)
+    if g is None:
+        host, port = ch["store"]
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        g = _Group(store, ch["group"], ch["pg_backend"], rank, ch["world"]).build(timeout_s)
+        with _JOINED_LOCK:
+            # Drop groups of an older membership with the same store: they are never reused.
+            for old in [o for o in _JOINED if o[0] == k[0] and o[2] == rank]:
+                del _JOINED[old]
+            _JOINED[k] = g
+    return g
+
+
+def _forget(ch: dict[str, Any], rank: int) -> None:
+    with _JOINED_LOCK:
+        _JOINED.pop((tuple(ch["store"]), ch["group"], rank), None)
+
+
+def _wait(work, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise PeerError(f"broadcast of {what} failed: {e}") from e
+
+
+def _stream(
+    g: _Group,
+    ch: dict[str, Any],
+    named_tensors: NamedTensors | None,
+    load_weights,
+    timeout_s: float,
+    verify: bool,
+) -> tuple[int, int, Exception | None]:
+    """Every rank's loop over the senders' streams. Returns (bytes, buckets, deferred error).
+
+    A receiver that must not apply the sync (stale, corrupt bucket) keeps taking part in the
+    collectives, so the other ranks are not left hanging, and reports its error at the end.
+    """
+    device = torch.device(ch["device"])
+    nbytes = nbuckets = 0
+    error: Exception | None = None
+    buffers: list[torch.Tensor] = []
+    prefix = f"{ch['group']}/{ch['sync']}"
+    g.store.set_timeout(timedelta(seconds=timeout_s))
+
+    def buffer(slot: int) -> torch.Tensor:
+        while len(buffers) <= slot:
+            buffers.append(torch.empty(ch["bucket_bytes"], dtype=torch.uint8, device=device))
+        return buffers[slot]
+
+    for s in range(ch["num_senders"]):
+        if g.rank == s:
+            works: list[Any] = [None, None]
+            k = 0
+            for bucket in plan_buckets(named_tensors or (), ch["bucket_bytes"]):
+                slot = k % 2
+                if works[slot] is not None:  # the collective that read this buffer is done
+                    _wait(works[slot], timeout_s, f"bucket {k - 2} of sender {s}")
+                view = pack(bucket, buffer(slot))
+                meta = {"filled": bucket.filled, "entries": [e.to_json() for e in bucket.entries]}
+                if ch["checksum"]:
+                    meta["checksum"] = checksum(view)
+                del bucket
+                g.store.set(f"{prefix}/s{s}/b{k}", json.dumps(meta))
+                works[slot] = g.broadcast(view, s)
+                nbytes += meta["filled"]
+                nbuckets += 1
+                k += 1
+            g.store.set(f"{prefix}/s{s}/b{k}", json.dumps({"end": True}))
+            for w in works:
+                if w is not None:
+                    _wait(w, timeout_s, f"the last buckets of sender {s}")
+            continue
+        reasm = Reassembler()
+        k = 0
+        while True:
+            try:
+                meta = json.loads(g.store.get(f"{prefix}/s{s}/b{k}"))
+            except Exception as e:
+                raise SyncTimeoutError(
+                    f"no bucket {k} from sender {s} within {timeout_s:.1f}s ({e})"
+                ) from e
+            if meta.get("end"):
+                break
+            view = buffer(0)[: meta["filled"]]
+            _wait(g.broadcast(view, s), timeout_s, f"bucket {k} of sender {s}")
+            if load_weights is not None and error is None:
+                if verify and "checksum" in meta and (got := checksum(view)) != meta["checksum"]:
+                    error = ChecksumError(k, meta["checksum"], got)
+                else:
+                    tensors = reasm.take([Entry.from_json(e) for e in meta["entries"]], view)
+                    if tensors:
+                        load_weights(tensors)
+                    del tensors
+                    if device.type == "cuda":  # copies out of the buffer done before reuse
+                        torch.cuda.synchronize(device)
+            k += 1
+        if load_weights is not None and error is None:
+            reasm.finish()
+    return nbytes, nbuckets, error
+
+
+class _BroadcastSender(Sender):
+    def __init__(
+        self,
+        backend: BroadcastBackend,
+        group: _Group,
+        channel: dict[str, Any],
+        version: int,
+        n: int,
+        checksum: bool,
+        timeout_s: float,
+    ) -> None:
+        self._backend, self._group, self._ch = backend, group, channel
+        self._version, self._n, self._checksum, self._timeout = version, n, checksum, timeout_s
+        self._failed: dict[int, str] = {}
+
+    def spec(self, rank: int) -> ReceiveSpec:
+        return ReceiveSpec(
+            "broadcast", self._version, dict(self._ch), rank, self._checksum, self._timeout
+        )
+
+    def sender_channel(self) -> dict[str, Any]:
+        """What extra sender ranks (1..num_senders-1) pass to `send_shard`."""
+        return dict(self._ch)
+
+    def drop(self, rank: int, reason: str) -> None:
+        self._failed.setdefault(rank, reason)
+
+    def abort(self, reason: str) -> None:
+        for r in range(self._n):
+            self._failed.setdefault(r, reason)
+
+    def send(self, named_tensors: NamedTensors) -> SendReport:
+        t0 = time.perf_counter()
+        g = self._group
+        try:
+            g.build(self._timeout)
+            nbytes, nbuckets, _ = _stream(g, self._ch, named_tensors, None, self._timeout, False)
+            done_keys = [f"{self._ch['group']}/{self._ch['sync']}/done/{r}" for r in range(self._n)]
+            g.store.wait(done_keys, timedelta(seconds=self._timeout))
+            for r, key in enumerate(done_keys):
+                status = g.store.get(key).decode()
+                if status != "ok":
+                    self._failed.setdefault(r, status)
+        except Exception as e:
+            self._backend._drop_group()
+            for r in range(self._n):
+                self._failed.setdefault(r, f"broadcast failed, the group is rebuilt next sync: {e}")
+            return SendReport(0, 0, time.perf_counter() - t0, dict(self._failed))
+        finally:
+            self._cleanup()
+        return SendReport(nbytes, nbuckets, time.perf_counter() - t0, dict(self._failed))
+
+    def _cleanup(self) -> None:
+        prefix = f"{self._ch['group']}/{self._ch['sync']}"
+        for key in [f"{prefix}/done/{r}" for r in range(self._n)]:
+            with contextlib.suppress(Exception):
+                self._group.store.delete_key(key)
+        for s in range(self._ch["num_senders"]):
+            k = 0
+            while True:
+                try:
+                    if not self._group.store.delete_key(f"{prefix}/s{s}/b{k}"):
+                        break
+                except Exception:
+                    break
+                k += 1
+
+
+class BroadcastBackend(Backend):
+    """Options: `device` ("cpu" -> gloo, "cuda" -> nccl, ...), `host` (address receivers
+    reach the store at; default 127.0.0.1), `num_senders` (trainer ranks that each stream a
+    shard, default 1; ranks 1.. call `send_shard`)."""
+
+    def __init__(self, device: str = "cpu", host: str = "127.0.0.1", num_senders: int = 1) -> None:
+        self.device = torch.device(device)
+        self.host, self.num_senders = host, num_senders
+        self._pg_backend = _pg_backend(self.device)
+        self._store: dist.TCPStore | None = None
+        self._group: _Group | None = None
+        self._members: tuple[str, ...] | None = None
+        self._sync = 0
+
+    def _drop_group(self) -> None:
+        self._group, self._members = None, None
+
+    def open_sender(
+        self,
+        *,
+        version: int,
+        num_receivers: int,
+        bucket_bytes: int,
+        checksum: bool,
+        timeout_s: float,
+        members: tuple[str, ...] = (),
+    ) -> Sender:
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self.host,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        members = members or tuple(str(i) for i in range(num_receivers))
+        if self._group is None or self._members != members:
+            # Built lazily in send(): every rank must reach the rendezvous at the same time.
+            key = f"{secrets.token_hex(4)}-{len(members)}"
+            self._group = _Group(
+                self._store, key, self._pg_backend, 0, self.num_senders + num_receivers
+            )
+            self._members = members
+        self._sync += 1
+        channel = {
+            "store": [self.host, self._store.port],
+            "group": self._group.key,
+            "sync": self._sync,
+            "world": self._group.world,
+            "num_senders": self.num_senders,
+            "pg_backend": self._pg_backend,
+            "device": self.device.type,
+            "bucket_bytes": bucket_bytes,
+            "checksum": checksum,
+        }
+        return _BroadcastSender(
+            self, self._group, channel, version, num_receivers, checksum, timeout_s
+        )
+
+    def close(self) -> None:
+        self._drop_group()
+        self._store = None
+
+    @classmethod
+    def receive(
+        cls, spec: ReceiveSpec, load_weights: LoadWeightsFn, current_version: int | None
+    ) -> int:
+        ch = spec.channel
+        rank = ch["num_senders"] + spec.rank
+        status = "ok"
+        try:
+            stale: StaleVersionError | None = None
+            try:
+                check_version(spec, current_version)
+            except StaleVersionError as e:
+                stale = e
+            g = _join(ch, rank, spec.timeout_s)
+            _, _, error = _stream(
+                g, ch, None, None if stale else load_weights, spec.timeout_s, spec.checksum
+            )
+            error = stale or error
+            if error is not None:
+                status = str(error)
+                raise error
+            return spec.version
+        except (PeerError, SyncTimeoutError) as e:
+            _forget(ch, rank)
+            status = str(e)
+            raise
+        except Exception as e:
+            if status == "ok":
+                status = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            try:
+                store = _JOINED.get((tuple(ch["store"]), ch["group"], rank))
+                if store is not None:
+                    store.store.set(f"{ch['group']}/{ch['sync']}/done/{spec.rank}", status)
+            except Exception:
+                pass
+
+
+def send_shard(
+    channel: dict[str, Any], sender_rank: int, named_tensors: NamedTensors, timeout_s: float = 300.0
+) -> SendReport:
+    """Run on trainer rank `sender_rank` (1..num_senders-1) to stream its shard in a sync
+    whose channel rank 0's manager produced (`ReceiveSpec.channel` of any receiver)."""
+    if not 0 < sender_rank < channel["num_senders"]:
+        raise ValueError(
+            f"sender_rank must be in 1..{channel['num_senders'] - 1}, got {sender_rank}"
+        )
+    t0 = time.perf_counter()
+    g = _join(channel, sender_rank, timeout_s)
+    try:
+        nbytes, nbuckets, _ = _stream(g, channel, named_tensors, None, timeout_s, False)
+    except Exception:
+        _forget(channel, sender_rank)
+        raise
+    return SendReport(nbytes, nbuckets, time.perf_counter() - t0)
+
+
+register_backend("broadcast", BroadcastBackend)
