@@ -1,0 +1,37 @@
+"""Training backends: the TrainEngine contract, its registry, and the FSDP2 engine."""
+
+from offbeat.core.train.engine import (
+    TRAIN_ENGINES,
+    GlobalNorm,
+    LossFn,
+    TrainEngine,
+    batch_field,
+    build_train_engine,
+    register_train_engine,
+)
+from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine, hf_name
+from offbeat.core.train.optim import (
+    LR_SCHEDULES,
+    OptimConfig,
+    build_lr_scheduler,
+    build_optimizer,
+    lr_factor,
+)
+
+__all__ = [  # contract + registry, the FSDP2 engine, optimizer and LR schedule
+    "LR_SCHEDULES",
+    "TRAIN_ENGINES",
+    "FSDP2Config",
+    "FSDP2TrainEngine",
+    "GlobalNorm",
+    "LossFn",
+    "OptimConfig",
+    "TrainEngine",
+    "batch_field",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "build_train_engine",
+    "hf_name",
+    "lr_factor",
+    "register_train_engine",
+]

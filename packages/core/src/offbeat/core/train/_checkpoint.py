@@ -1,0 +1,94 @@
+"""Sharded, atomic save/load of a sharded model and its optimizer with
+torch.distributed.checkpoint (DCP), plus a small picklable extra state (LR schedule,
+update count).
+
+Knows nothing about the trainer's step checkpoints, dataloaders or replay buffers. Every
+rank writes its own shards into `<path>.tmp`; rank 0 then renames it to `<path>`, so a
+reader only ever sees a complete checkpoint (the marker file is written last).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+EXTRA_FILE = "engine_state.pt"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write model + optimizer shards and `extra` to directory `path`, replacing it.
+    Collective: every rank of `group` calls it."""
+    path = os.path.abspath(path).rstrip(os.sep)
+    tmp = path + ".tmp"
+    rank = dist.get_rank(group)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier(group=group)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=group)
+    dist.barrier(group=group)
+    if rank == 0:
+        extra_path = os.path.join(tmp, EXTRA_FILE)
+        with open(extra_path, "wb") as f:
+            torch.save(extra, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = path + ".old"
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=group)
+
+
+def is_complete(path: str) -> bool:
+    """True when `path` holds a checkpoint whose write finished."""
+    return os.path.isfile(os.path.join(path, EXTRA_FILE))
+
+
+def load(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Restore model + optimizer from `path` in place and return the extra state.
+    Collective: every rank of `group` calls it."""
+    path = os.path.abspath(path)
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"no complete train-engine checkpoint at {path!r} (missing {EXTRA_FILE})"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    with open(os.path.join(path, EXTRA_FILE), "rb") as f:
+        return torch.load(f, weights_only=True)

@@ -1,0 +1,142 @@
+"""The TrainEngine contract: what a trainer asks of a training backend, and the registry of
+backends (FSDP2 here; Megatron in offbeat-backend-megatron).
+
+Knows nothing about replay buffers, rollout or weight-sync transports: an engine turns a
+padded tensor batch into log-probs or one optimizer step, streams its weights out as
+(HF name, tensor) pairs, and saves/loads its own sharded state. Every rank of a
+data-parallel group runs the same calls on its own shard of the batch.
+
+Tensor batch layout (a `Mapping[str, Tensor]`, or any object with these attributes), local
+to the calling rank:
+
+- ``input_ids`` [B, S] int64: each row is the prompt followed by the response. Padding may
+  be anywhere as long as ``attention_mask`` marks the real tokens and the responses occupy
+  the last R columns (prompts left-padded, responses right-padded is the usual layout).
+- ``attention_mask`` [B, S]: 1 for real tokens.
+- ``response_mask`` [B, R]: 1 for the response tokens that count (R = its width).
+- ``position_ids`` [B, S], optional: defaults to the running count of real tokens.
+
+`update` additionally reads [B, R] tensors named by the loss function, by default
+``advantages``, ``old_log_probs`` (proximal policy), and optionally ``rollout_log_probs``
+(behaviour policy) and ``ref_log_probs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from offbeat.core.registry import TRAIN_ENGINES
+
+__all__ = [
+    "TRAIN_ENGINES",
+    "GlobalNorm",
+    "LossFn",
+    "TrainEngine",
+    "batch_field",
+    "build_train_engine",
+    "register_train_engine",
+]
+
+
+@dataclass(frozen=True)
+class GlobalNorm:
+    """Normalisers of one PPO mini-batch counted over all its micro-batches and all
+    data-parallel ranks, so a micro-batch's loss is its exact share of the mini-batch loss
+    whatever the split."""
+
+    num_tokens: float  # response tokens (sum of response_mask) in the mini-batch
+    num_seqs: float  # sequences (rows) in the mini-batch
+    dp_size: int
+
+
+# loss_fn(log_probs [b,R], entropy [b,R] or None, micro_batch, norm) -> (loss, metrics).
+# `loss` is this micro-batch's contribution: summed over micro-batches and ranks it is the
+# mini-batch loss. Each metric is a contribution to a global mean the same way (already
+# divided by the global normaliser), so the engine only sums them.
+# A loss function may set the attribute `needs_entropy = True` to receive the entropy.
+LossFn = Callable[
+    [torch.Tensor, torch.Tensor | None, Any, GlobalNorm],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
+
+
+def batch_field(batch: Any, name: str, required: bool = True) -> torch.Tensor | None:
+    """Read `name` from a mapping or an attribute of `batch`; a missing required field names
+    the fields that are there."""
+    if isinstance(batch, Mapping):
+        value = batch.get(name)
+        have = sorted(batch.keys())
+    else:
+        value = getattr(batch, name, None)
+        have = (
+            sorted(k for k in vars(batch) if not k.startswith("_"))
+            if hasattr(batch, "__dict__")
+            else []
+        )
+    if value is None and required:
+        raise KeyError(f"train batch has no field {name!r}; it has {have}")
+    return value
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    """One data-parallel rank of a training backend.
+
+    `update` is one PPO mini-batch update (micro-batching and gradient accumulation
+    inside, then one clipped optimizer step and one LR-schedule step); the LR schedule's
+    horizon counts these updates, and so does `global_update_count`.
+    """
+
+    @property
+    def lr(self) -> float: ...
+
+    @property
+    def global_update_count(self) -> int: ...
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def compute_log_probs(self, batch: Any, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, R] of the batch's response tokens under the current weights with
+        logits divided by `temperature`; 0 where response_mask is 0."""
+        ...
+
+    def update(self, mini_batch: Any) -> dict[str, float]:
+        """One optimizer step on this rank's shard of a mini-batch; returns metrics that
+        are already reduced over all ranks (identical on every rank)."""
+        ...
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full contiguous tensor) pairs, one parameter at a time. Every rank must
+        iterate it to the end (gathering a parameter is a collective)."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Write model, optimizer, LR schedule and update count to directory `path`
+        atomically (all ranks call it)."""
+        ...
+
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote (all ranks call it)."""
+        ...
+
+
+def register_train_engine(name: str) -> Callable[[type], type]:
+    """Class decorator: make a TrainEngine buildable by name (e.g. from a config key)."""
+
+    def wrap(cls: type) -> type:
+        return TRAIN_ENGINES.register(name, cls)
+
+    return wrap
+
+
+def build_train_engine(name: str, *args: Any, **kwargs: Any) -> TrainEngine:
+    """Build the registered engine `name`; an unknown name lists the registered ones."""
+    return TRAIN_ENGINES.get(name)(*args, **kwargs)

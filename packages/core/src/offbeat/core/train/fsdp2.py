@@ -1,0 +1,351 @@
+"""FSDP2TrainEngine: a Hugging Face causal LM sharded with `fully_shard` (one FSDP unit per
+decoder layer plus the root) over a 1-D data-parallel DeviceMesh.
+
+Knows nothing about where its batches come from, how advantages were computed or how
+weights reach the rollout engines: it computes log-probs, runs one PPO mini-batch update
+through a loss function (globally normalised over micro-batches and ranks), streams its
+weights out one parameter at a time, and saves/loads its sharded state with DCP.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from offbeat.core.train import _batch, _checkpoint
+from offbeat.core.train.engine import GlobalNorm, LossFn, register_train_engine
+from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
+
+__all__ = ["FSDP2Config", "FSDP2TrainEngine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) put in front of
+# parameter names; a HF loader (e.g. vLLM's load_weights) knows none of them.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+@dataclass
+class FSDP2Config:
+    """How the FSDP2 engine builds, shards and trains its model.
+
+    `micro_batch_size` is rows per forward/backward on each rank (gradient accumulation
+    covers the rest of the rank's mini-batch shard). `param_dtype` is the compute dtype of
+    gathered parameters (master weights stay float32); `export_dtype` the dtype of exported
+    weights, i.e. the rollout engine's (None: the master dtype).
+    """
+
+    model_path: str = ""
+    micro_batch_size: int = 4
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    export_dtype: str | None = None
+    gradient_checkpointing: bool = False
+    reshard_after_forward: bool = True
+    trust_remote_code: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def validate(self, prefix: str = "train_engine") -> None:
+        """Raise ValueError naming the key, the bad value and what would be valid."""
+        if self.micro_batch_size < 1:
+            raise ValueError(f"{prefix}.micro_batch_size={self.micro_batch_size!r}: must be >= 1")
+        for key in ("param_dtype", "reduce_dtype", "export_dtype"):
+            value = getattr(self, key)
+            if value is not None and value not in _DTYPES:
+                raise ValueError(f"{prefix}.{key}={value!r}: must be one of {sorted(_DTYPES)}")
+        self.optim.validate(f"{prefix}.optim")
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ensure_process_group(device_type: str) -> None:
+    """Join the caller's process group if there is one (torchrun / env:// variables), or
+    start a private single-process group (needs no port)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: HF's `_no_split_modules` classes."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"cannot find decoder layers in {type(model).__name__}: its _no_split_modules is "
+            f"{sorted(names)}; FSDP2 needs the layer class to shard per layer"
+        )
+    return layers
+
+
+def hf_name(name: str) -> str:
+    """A parameter name with wrapper prefixes removed (what HF state dicts call it)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@torch.no_grad()
+def _full(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    if dtype is not None and full.dtype != dtype:
+        full = full.to(dtype)
+    return full.contiguous()
+
+
+@register_train_engine("fsdp2")
+class FSDP2TrainEngine:
+    """One data-parallel rank of an FSDP2-sharded HF causal LM.
+
+    `model` may be passed already built (tests, custom models); otherwise it is loaded
+    from `config.model_path` with `AutoModelForCausalLM`. `loss_fn` computes a
+    micro-batch's share of the mini-batch loss (see `offbeat.core.train.engine.LossFn`).
+    With world size > 1 the caller starts torch.distributed (or sets the env:// variables);
+    every rank builds the engine with the same config and calls every method.
+    """
+
+    def __init__(
+        self, config: FSDP2Config, loss_fn: LossFn | None = None, model: nn.Module | None = None
+    ) -> None:
+        config.validate()
+        self.config = config
+        self._loss_fn = loss_fn
+        device_type = _device_type()
+        _ensure_process_group(device_type)
+        self._mesh: DeviceMesh = init_device_mesh(
+            device_type, (dist.get_world_size(),), mesh_dim_names=("dp",)
+        )
+        self._group = self._mesh.get_group()
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device_type == "cuda"
+            else torch.device("cpu")
+        )
+        if model is None:
+            model = self._load_model(config)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self._model = self._shard(model.float(), config)
+        self._optimizer = build_optimizer(self._model.parameters(), config.optim)
+        self._scheduler = build_lr_scheduler(self._optimizer, config.optim)
+        self._updates = 0
+        self._takes_logits_to_keep = "logits_to_keep" in type(model).forward.__code__.co_varnames
+
+    # ---------------------------------------------------------------- construction
+    @staticmethod
+    def _load_model(config: FSDP2Config) -> nn.Module:
+        if not config.model_path:
+            raise ValueError("train_engine.model_path is empty: give a HF model directory or id")
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            config.model_path, dtype=torch.float32, trust_remote_code=config.trust_remote_code
+        )
+
+    def _shard(self, model: nn.Module, config: FSDP2Config) -> nn.Module:
+        mp = MixedPrecisionPolicy(
+            param_dtype=_DTYPES[config.param_dtype], reduce_dtype=_DTYPES[config.reduce_dtype]
+        )
+        kwargs = {"mesh": self._mesh, "mp_policy": mp}
+        for layer in _decoder_layers(model):
+            fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        return model
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update will use."""
+        return float(self._optimizer.param_groups[0]["lr"])
+
+    @property
+    def global_update_count(self) -> int:
+        return self._updates
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self._group)
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self._group)
+
+    # ---------------------------------------------------------------- forward
+    def _forward(
+        self, mb: dict[str, Any], temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = mb["input_ids"]
+        width = mb["response_mask"].shape[1]
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": mb["attention_mask"],
+            "position_ids": _batch.position_ids_of(mb),
+            "use_cache": False,
+        }
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = width + 1  # only the positions that predict responses
+        logits = self._model(**kwargs).logits[:, -(width + 1) : -1, :]
+        logits = logits / temperature
+        log_probs = _batch.token_log_probs(logits, input_ids[:, -width:])
+        entropy = _batch.entropy_from_logits(logits) if with_entropy else None
+        mask = mb["response_mask"].to(log_probs.dtype)
+        return log_probs * mask, (entropy * mask if entropy is not None else None)
+
+    def _max_over_ranks(self, n: int) -> int:
+        t = torch.tensor([n], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return int(t.item())
+
+    def _micro_batches(self, batch: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+        """This rank's micro-batches, and how many forwards every rank must run (FSDP's
+        collectives need the same count everywhere; short ranks repeat one with zero
+        weight)."""
+        micro = _batch.split_rows(batch, self.config.micro_batch_size)
+        return micro, self._max_over_ranks(len(micro))
+
+    def compute_log_probs(self, batch: Any, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, R] (float32, on CPU) of the response tokens of this rank's batch
+        at `temperature`; 0 where response_mask is 0."""
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature!r}: must be > 0")
+        data = _batch.as_tensor_dict(batch, self._device)
+        micro, rounds = self._micro_batches(data)
+        self._model.eval()
+        out = []
+        with torch.no_grad():
+            for i in range(rounds):
+                log_probs, _ = self._forward(micro[min(i, len(micro) - 1)], temperature, False)
+                if i < len(micro):
+                    out.append(log_probs.float().cpu())
+        return torch.cat(out, dim=0)
+
+    # ---------------------------------------------------------------- update
+    def _global_norm(self, data: dict[str, Any]) -> GlobalNorm:
+        mask = data["response_mask"]
+        t = torch.tensor(
+            [float(mask.sum().item()), float(mask.shape[0])],
+            dtype=torch.float64,
+            device=self._device,
+        )
+        dist.all_reduce(t, group=self._group)
+        return GlobalNorm(num_tokens=float(t[0]), num_seqs=float(t[1]), dp_size=self.dp_size)
+
+    def update(self, mini_batch: Any, temperature: float = 1.0) -> dict[str, float]:
+        """One PPO mini-batch update on this rank's shard: forward/backward per micro-batch
+        (the loss normalised over the whole mini-batch on all ranks), clip, AdamW step, LR
+        step. Returns metrics reduced over ranks: the loss function's (global means),
+        `actor/loss`, `actor/grad_norm`, `actor/lr` (the LR this step used),
+        `actor/update_count`, `actor/skipped_update` (1 if the grad norm was not finite)."""
+        if self._loss_fn is None:
+            raise ValueError("FSDP2TrainEngine was built without a loss_fn; update needs one")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature!r}: must be > 0")
+        data = _batch.as_tensor_dict(mini_batch, self._device)
+        norm = self._global_norm(data)
+        if norm.num_tokens <= 0:
+            raise ValueError("update: the mini-batch has no response tokens on any rank")
+        micro, rounds = self._micro_batches(data)
+        with_entropy = bool(getattr(self._loss_fn, "needs_entropy", False))
+        self._model.train()
+        self._optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        for i in range(rounds):
+            real = i < len(micro)
+            mb = micro[i] if real else micro[-1]
+            log_probs, entropy = self._forward(mb, temperature, with_entropy)
+            loss, metrics = self._loss_fn(log_probs, entropy, mb, norm)
+            if not real:
+                loss = loss * 0.0
+            # FSDP averages gradients over ranks; the loss is already a share of the
+            # global mini-batch loss, so undo the average to get the sum.
+            (loss * norm.dp_size).backward()
+            if real:
+                sums["actor/loss"] += loss.detach().double().cpu()
+                for k, v in metrics.items():
+                    sums[k] += torch.as_tensor(v).detach().double().cpu()
+        grad_norm = self._clip_grad()
+        used_lr = self.lr
+        skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
+        if skipped:
+            self._optimizer.zero_grad(set_to_none=True)
+        else:
+            self._optimizer.step()
+        self._scheduler.step()
+        self._updates += 1
+        names = sorted(sums)
+        reduced = torch.stack([sums[k] for k in names]).to(self._device)
+        dist.all_reduce(reduced, group=self._group)
+        result = {k: float(v) for k, v in zip(names, reduced.cpu().tolist(), strict=True)}
+        result.update(
+            {
+                "actor/grad_norm": grad_norm,
+                "actor/lr": used_lr,
+                "actor/update_count": float(self._updates),
+                "actor/skipped_update": float(skipped),
+            }
+        )
+        return result
+
+    def _clip_grad(self) -> float:
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        max_norm = self.config.optim.grad_clip
+        if max_norm > 0:
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        return float(total.item())
+
+    # ---------------------------------------------------------------- weights out
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full contiguous tensor in `export_dtype`) for every parameter, one at a
+        time: a parameter is gathered only when the consumer asks for it and this generator
+        drops its reference before gathering the next. All ranks must iterate to the end."""
+        dtype = _DTYPES[self.config.export_dtype] if self.config.export_dtype else None
+        for name, param in self._model.named_parameters():
+            tensor = _full(param, dtype)
+            yield hf_name(name), tensor
+            del tensor
+
+    # ---------------------------------------------------------------- checkpoint
+    def save(self, path: str) -> None:
+        _checkpoint.save(
+            path,
+            self._model,
+            self._optimizer,
+            {"lr_scheduler": self._scheduler.state_dict(), "global_update_count": self._updates},
+            self._group,
+        )
+
+    def load(self, path: str) -> None:
+        extra = _checkpoint.load(path, self._model, self._optimizer, self._group)
+        self._scheduler.load_state_dict(extra["lr_scheduler"])
+        self._updates = int(extra["global_update_count"])

@@ -1,0 +1,332 @@
+"""FSDP2TrainEngine on a tiny random Qwen2, CPU + gloo: log-probs, PPO updates with
+gradient accumulation, multi-process equivalence, weight export, save/load.
+
+Run as a script under torchrun (`--worker`), this file is also the 2-process worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from offbeat.core.models import build_tiny_model
+from offbeat.core.train import (
+    FSDP2Config,
+    FSDP2TrainEngine,
+    GlobalNorm,
+    OptimConfig,
+    build_train_engine,
+)
+
+VOCAB = 260  # the character tokenizer's vocabulary
+
+
+def tiny_model_dir(root: Path, tied: bool = False) -> Path:
+    return build_tiny_model(
+        root / ("tied" if tied else "untied"),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,
+    )
+
+
+def make_batch(rows: int, prompt: int = 6, response: int = 7, seed: int = 0) -> dict:
+    """Left-padded prompts, right-padded responses of varied lengths, PPO fields."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (rows, prompt + response), generator=g)
+    attention_mask = torch.ones(rows, prompt + response, dtype=torch.long)
+    response_mask = torch.zeros(rows, response)
+    for i in range(rows):
+        p_len = int(torch.randint(1, prompt + 1, (1,), generator=g))
+        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
+        attention_mask[i, : prompt - p_len] = 0
+        attention_mask[i, prompt + r_len :] = 0
+        response_mask[i, :r_len] = 1
+    input_ids = input_ids * attention_mask
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "advantages": torch.randn(rows, 1, generator=g).expand(rows, response) * response_mask,
+        # Off-policy: the behaviour log-probs differ from the current policy's.
+        "old_log_probs_noise": torch.randn(rows, response, generator=g) * 0.1,
+    }
+
+
+def rows_of(batch: dict, start: int, stop: int) -> dict:
+    return {k: v[start:stop] for k, v in batch.items()}
+
+
+def ppo_token_mean_loss(log_probs, entropy, mb, norm: GlobalNorm):
+    """Clipped PPO surrogate, token-mean over the global mini-batch (a stand-in for core's
+    algorithms in these engine tests)."""
+    mask = mb["response_mask"]
+    ratio = torch.exp(log_probs - mb["old_log_probs"])
+    adv = mb["advantages"]
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    loss = (pg * mask).sum() / norm.num_tokens
+    return loss, {"actor/pg_loss": loss.detach(), "actor/tokens": mask.sum() / norm.num_tokens}
+
+
+def make_engine(model_dir: Path, micro_batch_size: int = 4, **optim) -> FSDP2TrainEngine:
+    defaults = {"lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1.0}
+    config = FSDP2Config(
+        model_path=str(model_dir),
+        micro_batch_size=micro_batch_size,
+        optim=OptimConfig(**{**defaults, **optim}),
+    )
+    return FSDP2TrainEngine(config, loss_fn=ppo_token_mean_loss)
+
+
+def with_old_log_probs(engine: FSDP2TrainEngine, batch: dict) -> dict:
+    old = engine.compute_log_probs(batch) + batch["old_log_probs_noise"] * batch["response_mask"]
+    return {**batch, "old_log_probs": old}
+
+
+def params_of(engine: FSDP2TrainEngine) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in engine.export_weights()}
+
+
+def grads_of(engine: FSDP2TrainEngine) -> dict[str, torch.Tensor]:
+    """The last update's gradients (collective under FSDP: every rank calls it)."""
+    return {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
+
+
+def assert_same_update(got: tuple, want: tuple) -> None:
+    """Gradients equal to float rounding; parameters equal up to what AdamW's sign-like
+    first step makes of that rounding (a fraction of the LR of 1e-2)."""
+    (got_params, got_grads), (want_params, want_grads) = got, want
+    assert sorted(got_params) == sorted(want_params)
+    for name in want_params:
+        torch.testing.assert_close(
+            got_grads[name], want_grads[name], atol=1e-7, rtol=1e-5, msg=name
+        )
+        torch.testing.assert_close(got_params[name], want_params[name], atol=1e-4, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_process_group():
+    """The engine starts a private 1-process group when none exists; leave none behind."""
+    existed = dist.is_initialized()
+    yield
+    if not existed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_log_probs_match_unsharded_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    engine = make_engine(model_dir, micro_batch_size=2)
+    batch = make_batch(5)
+    temperature = 0.7
+    got = engine.compute_log_probs(batch, temperature=temperature)
+
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        logits = plain(
+            input_ids=batch["input_ids"],
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        ).logits
+    width = batch["response_mask"].shape[1]
+    logp = torch.log_softmax(logits[:, -width - 1 : -1] / temperature, dim=-1)
+    want = logp.gather(-1, batch["input_ids"][:, -width:, None]).squeeze(-1)
+    want = want * batch["response_mask"]
+    assert got.shape == (5, width)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got[batch["response_mask"] == 0] == 0).all()
+
+
+def test_update_reduces_loss_on_fixed_batch(model_dir):
+    engine = make_engine(model_dir, lr=3e-3)
+    batch = with_old_log_probs(engine, make_batch(8, seed=1))
+    losses = [engine.update(batch)["actor/loss"] for _ in range(4)]
+    assert losses[-1] < losses[0], losses
+    assert engine.global_update_count == 4
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(model_dir):
+    """Same mini-batch, micro-batches of 8 (one), 3 and 1 rows: with the global normaliser
+    the accumulated gradient, hence the update, is the same."""
+    batch = make_batch(8, seed=2)
+    results = []
+    for micro in (8, 3, 1):
+        engine = make_engine(model_dir, micro_batch_size=micro, grad_clip=0.0)
+        mb = with_old_log_probs(engine, batch)
+        metrics = engine.update(mb)
+        results.append(((params_of(engine), grads_of(engine)), metrics))
+    (ref, ref_metrics), others = results[0], results[1:]
+    for update, metrics in others:
+        assert_same_update(update, ref)
+        assert metrics["actor/loss"] == pytest.approx(ref_metrics["actor/loss"], rel=1e-5)
+        assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-4)
+        assert metrics["actor/tokens"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_yields_each_hf_parameter_once_one_at_a_time(tmp_path, monkeypatch, tied):
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir(tmp_path, tied=tied)
+    engine = make_engine(model_dir)
+    want = dict(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).named_parameters()
+    )
+
+    gathered: list[weakref.ref] = []
+    original = DTensor.full_tensor
+
+    def watched(self, *args, **kwargs):
+        alive = [r for r in gathered if r() is not None]
+        assert not alive, "a previously exported full parameter is still referenced"
+        out = original(self, *args, **kwargs)
+        gathered.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(DTensor, "full_tensor", watched)
+    seen = []
+    for name, tensor in engine.export_weights():
+        assert tensor.is_contiguous() and not tensor.requires_grad
+        assert name in want, name
+        torch.testing.assert_close(tensor, want[name].detach(), atol=0, rtol=0, msg=name)
+        seen.append(name)
+        del tensor  # a consumer that keeps nothing: the engine must keep nothing either
+    assert sorted(seen) == sorted(want)  # every name, exactly once
+    assert len(gathered) == len(want)
+    assert ("lm_head.weight" in seen) == (not tied)
+
+
+def test_export_dtype_casts(model_dir):
+    config = FSDP2Config(model_path=str(model_dir), export_dtype="bfloat16")
+    engine = FSDP2TrainEngine(config)
+    name, tensor = next(iter(engine.export_weights()))
+    assert tensor.dtype == torch.bfloat16 and name == "model.embed_tokens.weight"
+
+
+def test_save_load_restores_model_optimizer_and_schedule(model_dir, tmp_path):
+    optim = {"lr_schedule": "cosine", "warmup_updates": 1, "total_updates": 6, "lr": 5e-3}
+    b1, b2, b3 = (make_batch(6, seed=s) for s in (10, 11, 12))
+    a = make_engine(model_dir, **optim)
+    a.update(with_old_log_probs(a, b1))
+    a.update(with_old_log_probs(a, b2))
+    ckpt = tmp_path / "ckpt"
+    a.save(str(ckpt))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp dir left
+    saved_lr = a.lr
+    after_a = a.update(with_old_log_probs(a, b3))
+
+    b = make_engine(model_dir, **optim)
+    assert b.lr != saved_lr
+    b.load(str(ckpt))
+    assert b.global_update_count == 2 and b.lr == saved_lr
+    after_b = b.update(with_old_log_probs(b, b3))
+    assert after_b == after_a
+    for (name, x), (_, y) in zip(a.export_weights(), b.export_weights(), strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=name)
+
+    # Saving again over an existing checkpoint replaces it.
+    b.save(str(ckpt))
+    c = make_engine(model_dir, **optim)
+    c.load(str(ckpt))
+    assert c.global_update_count == 3
+
+
+def test_load_of_incomplete_checkpoint_fails_clearly(model_dir, tmp_path):
+    engine = make_engine(model_dir)
+    (tmp_path / "half").mkdir()
+    with pytest.raises(FileNotFoundError, match="no complete train-engine checkpoint"):
+        engine.load(str(tmp_path / "half"))
+
+
+def test_registry_builds_fsdp2_and_names_choices(model_dir):
+    engine = build_train_engine("fsdp2", FSDP2Config(model_path=str(model_dir)))
+    assert isinstance(engine, FSDP2TrainEngine) and engine.dp_size == 1
+    with pytest.raises((KeyError, ValueError), match="fsdp2"):
+        build_train_engine("nope", FSDP2Config(model_path=str(model_dir)))
+
+
+def test_update_without_response_tokens_is_refused(model_dir):
+    engine = make_engine(model_dir)
+    batch = with_old_log_probs(engine, make_batch(2))
+    with pytest.raises(KeyError, match="advantages"):
+        engine.update({k: v for k, v in batch.items() if k != "advantages"})
+    with pytest.raises(ValueError, match="no response tokens"):
+        engine.update({**batch, "response_mask": torch.zeros_like(batch["response_mask"])})
+
+
+# ------------------------------------------------------------------ two processes
+ROWS, SEED = 8, 21
+
+
+def _reference_update(model_dir: Path) -> tuple[tuple[dict, dict], dict]:
+    engine = make_engine(model_dir, micro_batch_size=3)
+    batch = with_old_log_probs(engine, make_batch(ROWS, seed=SEED))
+    metrics = engine.update(batch)
+    return (params_of(engine), grads_of(engine)), metrics
+
+
+def _worker(model_dir: str, out: str) -> None:
+    """One rank of the 2-process run: its half of the same mini-batch."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = make_engine(Path(model_dir), micro_batch_size=3)
+    full = make_batch(ROWS, seed=SEED)
+    # Uneven shards (3 and 5 rows) make the ranks run different micro-batch counts.
+    cut = 3
+    mine = rows_of(full, 0, cut) if rank == 0 else rows_of(full, cut, ROWS)
+    metrics = engine.update(with_old_log_probs(engine, mine))
+    update = (params_of(engine), grads_of(engine))  # every rank: gathering is collective
+    engine.save(os.path.join(out, "ckpt"))
+    if rank == 0:
+        torch.save(
+            {"update": update, "metrics": metrics, "world": world}, os.path.join(out, "r.pt")
+        )
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_process(model_dir, tmp_path):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        __file__, "--worker", str(model_dir), str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(tmp_path / "r.pt")
+    assert got["world"] == 2
+    want_update, want_metrics = _reference_update(model_dir)
+    assert_same_update(got["update"], want_update)
+    assert got["metrics"]["actor/loss"] == pytest.approx(want_metrics["actor/loss"], rel=1e-5)
+
+    # The 2-rank sharded checkpoint loads into 1 rank (DCP reshards).
+    engine = make_engine(model_dir, micro_batch_size=3)
+    engine.load(str(tmp_path / "ckpt"))
+    assert engine.global_update_count == 1
+    for name, tensor in engine.export_weights():
+        torch.testing.assert_close(tensor, got["update"][0][name], atol=0, rtol=0, msg=name)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), required=True)
+    _worker(*parser.parse_args().worker)
