@@ -1,0 +1,33 @@
+"""The separate_async / sync trainer: agent loop, rollout driver, replica pool, training
+loop, checkpoints and metrics."""
+
+from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, encode_prompt
+from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from offbeat.core.trainer.replicas import NoReplicasLeft, ReplicaPool
+from offbeat.core.trainer.rollout import BusyClock, RolloutDriver
+from offbeat.core.trainer.tracking import LOGGERS, MetricsTracker
+from offbeat.core.trainer.trainer import MODES, Trainer, TrainerSettings, build_train_batch
+from offbeat.core.trainer.validation import Validator
+
+__all__ = [  # noqa: RUF022 (grouped by concept)
+    # the loop
+    "MODES",
+    "Trainer",
+    "TrainerSettings",
+    "build_train_batch",
+    # rollout side
+    "BusyClock",
+    "GroupFailed",
+    "NoReplicasLeft",
+    "ReplicaPool",
+    "RolloutDriver",
+    "SingleTurnAgentLoop",
+    "Validator",
+    "encode_prompt",
+    # checkpoints and metrics
+    "CheckpointManager",
+    "LOGGERS",
+    "MetricsTracker",
+    "rng_state",
+    "set_rng_state",
+]

@@ -1,0 +1,128 @@
+"""The single-turn agent loop: chat template -> generate (n samples) -> reward.
+
+Knows nothing about engines, balancers or weight syncs: it calls any client with an async
+`generate(request_id, prompt_ids, sampling_params) -> TokenOutput` (the
+PartialRolloutClient, which hides interruptions) and a `RewardRegistry`. It never lets a
+reward or engine error escape as anything but `GroupFailed`, which the rollout driver
+turns into a failed (evicted, counted, refilled) group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from offbeat.core.data import Trajectory
+from offbeat.core.rewards import RewardError, RewardRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class GroupFailed(RuntimeError):
+    """A group could not be completed (reward function or engine error)."""
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, with the
+    assistant turn opened."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class SingleTurnAgentLoop:
+    """Turns one dataset row into `n` scored trajectories.
+
+    `sampling` is the base sampling dict (e.g. temperature, max_tokens); a row may carry
+    a `sampling` dict of per-prompt overrides. `on_engine_error(exc)` is awaited when a
+    generate call raises (e.g. a replica died): it may heal the pool (remove the dead
+    replica) and return True to retry the request, up to `max_retries` times.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Any,
+        rewards: RewardRegistry,
+        sampling: Mapping[str, Any],
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int | None = None,
+        max_retries: int = 2,
+        on_engine_error: Callable[[BaseException], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.rewards = rewards
+        self.sampling = dict(sampling)
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.max_retries = max_retries
+        self.on_engine_error = on_engine_error
+
+    def prompt_ids(self, row: Mapping[str, Any]) -> list[int]:
+        messages = row[self.prompt_key]
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        ids = encode_prompt(self.tokenizer, list(messages))
+        if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
+            raise GroupFailed(
+                f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}"
+            )
+        return ids
+
+    async def _generate(self, request_id: str, prompt_ids: list[int], sampling: dict[str, Any]):
+        attempt = 0
+        while True:
+            try:
+                return await self.client.generate(request_id, prompt_ids, dict(sampling))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                attempt += 1
+                retry = self.on_engine_error is not None and attempt <= self.max_retries
+                if retry:
+                    retry = await self.on_engine_error(e)
+                if not retry:
+                    raise GroupFailed(
+                        f"generate({request_id}) failed: {type(e).__name__}: {e}"
+                    ) from e
+                logger.warning("generate(%s) failed (%s); retrying elsewhere", request_id, e)
+
+    async def sample(
+        self, uid: str, row: Mapping[str, Any], n: int, sampling: Mapping[str, Any] | None = None
+    ) -> list[Trajectory]:
+        """`n` trajectories for `row`, each scored; raises `GroupFailed`."""
+        try:
+            prompt_ids = self.prompt_ids(row)
+        except GroupFailed:
+            raise
+        except Exception as e:
+            raise GroupFailed(f"cannot build the prompt: {type(e).__name__}: {e}") from e
+        params = {**self.sampling, **(row.get("sampling") or {}), **(sampling or {})}
+        outs = await asyncio.gather(
+            *(self._generate(f"{uid}-{i}", prompt_ids, params) for i in range(n))
+        )
+        trajectories = []
+        source = row.get("data_source", "")
+        truth = row.get("ground_truth")
+        for out in outs:
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            try:
+                reward = self.rewards.score(source, text, truth)
+            except RewardError as e:
+                raise GroupFailed(str(e)) from e
+            trajectories.append(
+                Trajectory(
+                    prompt_ids=list(prompt_ids),
+                    response_ids=list(out.token_ids),
+                    rollout_log_probs=[float(x) for x in out.logprobs],
+                    reward=reward,
+                    min_weight_version=int(out.min_weight_version),
+                    max_weight_version=int(out.max_weight_version),
+                    group_uid=uid,
+                    session_id=f"{uid}",
+                )
+            )
+        return trajectories

@@ -1,0 +1,145 @@
+"""Where a run's metrics go: console, JSONL, TensorBoard, a progress bar, a final plot.
+
+Knows nothing about what the metrics mean beyond a few names the progress bar and the
+plot show (reward, staleness, tokens/s). Metric names are "section/name" strings; values
+are floats.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOGGERS = ("console", "jsonl", "tensorboard")
+PLOT_KEYS = (
+    ("reward/mean", "train reward"),
+    ("val/reward", "validation reward"),
+    ("off_policy/trajectory_staleness_mean", "staleness (versions)"),
+    ("off_policy/trajectory_spans_mean", "span (steps)"),
+)
+
+
+class MetricsTracker:
+    """Logs one dict of metrics per global step to every configured sink."""
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        loggers: Sequence[str] = ("console", "jsonl"),
+        *,
+        total_steps: int | None = None,
+        progress: bool = True,
+        start_step: int = 0,
+    ) -> None:
+        unknown = sorted(set(loggers) - set(LOGGERS))
+        if unknown:
+            raise ValueError(
+                f"trainer.loggers={list(loggers)!r}: unknown {unknown}; valid: {LOGGERS}"
+            )
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = tuple(loggers)
+        self.history: list[dict[str, float]] = []
+        self.jsonl_path = self.log_dir / "metrics.jsonl"
+        self._jsonl = open(self.jsonl_path, "a") if "jsonl" in self.loggers else None  # noqa: SIM115
+        self._tb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+        self._bar = None
+        if progress and total_steps:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="offbeat", unit="step")
+
+    def log(self, step: int, metrics: Mapping[str, Any], *, advance: bool = True) -> None:
+        """One row for `step`; `advance=False` for extra rows (validation) that neither
+        move the progress bar nor print a step line."""
+        row = {"step": float(step)}
+        for k, v in metrics.items():
+            try:
+                row[k] = float(v)
+            except (TypeError, ValueError):
+                continue
+        self.history.append(row)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step" and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if not advance:
+            return
+        if self._bar is not None:
+            post = {}
+            for key, short in (
+                ("reward/mean", "reward"),
+                ("val/reward", "val"),
+                ("off_policy/trajectory_staleness_mean", "stale"),
+                ("perf/tokens_per_s", "tok/s"),
+            ):
+                if key in row:
+                    post[short] = f"{row[key]:.3g}"
+            self._bar.set_postfix(post, refresh=False)
+            self._bar.update(1)
+        if "console" in self.loggers:
+            keys = sorted(k for k in row if k != "step")
+            text = " ".join(f"{k}={row[k]:.4g}" for k in keys)
+            self._write(f"[step {step}] {text}")
+
+    def event(self, message: str) -> None:
+        """A one-line note (validation results, checkpoints, removed replicas)."""
+        if "console" in self.loggers:
+            self._write(message)
+
+    def _write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def plot(self, path: str | Path | None = None) -> Path | None:
+        """A PNG of reward and staleness over steps (from this run's history)."""
+        if not self.history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path) if path is not None else self.log_dir / "reward_staleness.png"
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        for key, label in PLOT_KEYS:
+            pts = [(r["step"], r[key]) for r in self.history if key in r]
+            if not pts:
+                continue
+            ax = ax1 if key.startswith(("reward", "val")) else ax2
+            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+        ax1.set_ylabel("reward")
+        ax1.legend(loc="best")
+        ax1.grid(alpha=0.3)
+        ax2.set_ylabel("off-policy")
+        ax2.set_xlabel("global step")
+        ax2.legend(loc="best")
+        ax2.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

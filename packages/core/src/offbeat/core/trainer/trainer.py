@@ -1,0 +1,362 @@
+"""The training loop of `sync` and `separate_async` runs.
+
+One global step: take the oldest finished batch from the replay buffer (waiting for it is
+the trainer's idle time), compute advantages and old-policy log-probs, run
+`parameter_sync_step` mini-batch updates, then one weight sync to every rollout replica,
+so one global step is one model version. In `separate_async` the rollout keeps generating
+during the update (the buffer admits `1 + num_warmup_batches` batches ahead; a sync
+interrupts in-flight requests, which the client resumes on the new weights); in `sync`
+the buffer admits one batch at a time, so generation and training alternate.
+
+Knows nothing about the concrete engines: it drives a `TrainEngine`, a `ReplicaPool`
+(weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from offbeat.core.algorithms.advantages import compute_advantages
+from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
+from offbeat.core.data import TrajectoryBatch
+from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from offbeat.core.trainer.replicas import ReplicaPool
+from offbeat.core.trainer.rollout import RolloutDriver
+from offbeat.core.trainer.tracking import MetricsTracker
+from offbeat.core.trainer.validation import Validator
+
+logger = logging.getLogger(__name__)
+
+MODES = ("sync", "separate_async")
+
+
+@dataclass
+class TrainerSettings:
+    """The values of the job config the loop reads (see `from_job`)."""
+
+    mode: str = "separate_async"
+    total_training_steps: int = 10
+    train_batch_size: int = 4  # prompt groups per global step
+    ppo_mini_batch_size: int = 4  # prompt groups per update
+    parameter_sync_step: int = 1
+    ppo_epochs: int = 1
+    n: int = 4
+    temperature: float = 1.0
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    old_log_prob_source: str = "rollout"  # rollout (bypass) | trainer (decoupled PPO)
+    save_freq: int = 0  # 0: at the end only; -1: never
+    test_freq: int = 0
+    val_before_train: bool = False
+    resume: bool = False
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_job(cls, cfg: Any, *, pad_token_id: int = 0) -> TrainerSettings:
+        return cls(
+            mode=cfg.trainer.mode,
+            total_training_steps=cfg.trainer.total_training_steps,
+            train_batch_size=cfg.data.train_batch_size,
+            ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size,
+            parameter_sync_step=cfg.async_training.parameter_sync_step,
+            ppo_epochs=cfg.actor.ppo_epochs,
+            n=cfg.rollout.n,
+            temperature=cfg.rollout.temperature or 1.0,
+            adv_estimator=cfg.algorithm.adv_estimator,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            old_log_prob_source=cfg.algorithm.old_log_prob_source,
+            save_freq=cfg.trainer.save_freq,
+            test_freq=cfg.trainer.test_freq,
+            val_before_train=cfg.trainer.val_before_train,
+            resume=cfg.trainer.resume,
+            pad_token_id=pad_token_id,
+        )
+
+
+def build_train_batch(
+    groups: list[PromptGroup], s: TrainerSettings
+) -> tuple[TrajectoryBatch, dict[str, torch.Tensor]]:
+    """The padded batch of every trajectory of `groups` (group by group) and the tensor
+    dict the train engine reads, with advantages."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    batch = TrajectoryBatch.pad(trajectories, pad_token_id=s.pad_token_id)
+    advantages, _ = compute_advantages(
+        s.adv_estimator,
+        rewards=batch.rewards,
+        response_mask=batch.response_mask,
+        group_uids=batch.group_uids,
+        norm_by_std=s.norm_adv_by_std_in_grpo,
+    )
+    data = {
+        "input_ids": torch.cat([batch.prompt_ids, batch.response_ids], dim=1),
+        "attention_mask": torch.cat([batch.prompt_mask, batch.response_mask], dim=1),
+        "response_mask": batch.response_mask,
+        "advantages": advantages.float(),
+        "rollout_log_probs": batch.rollout_log_probs,
+        "old_log_probs": batch.rollout_log_probs,
+    }
+    return batch, data
+
+
+def _rows(data: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
+    return {k: v[start:stop] for k, v in data.items()}
+
+
+def _stats(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        f"{prefix}_mean": sum(values) / len(values),
+        f"{prefix}_max": max(values),
+        f"{prefix}_min": min(values),
+    }
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+
+
+class Trainer:
+    """Runs global steps until `total_training_steps`; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        *,
+        engine: Any,
+        buffer: AsyncReplayBuffer,
+        driver: RolloutDriver,
+        pool: ReplicaPool,
+        tracker: MetricsTracker,
+        checkpoints: CheckpointManager | None = None,
+        validator: Validator | None = None,
+        rollout_memory: Any = None,
+    ) -> None:
+        if settings.mode not in MODES:
+            raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
+        self.s = settings
+        self.engine = engine
+        self.buffer = buffer
+        self.driver = driver
+        self.pool = pool
+        self.tracker = tracker
+        self.checkpoints = checkpoints
+        self.validator = validator
+        self.rollout_memory = rollout_memory  # async () -> dict of engine memory metrics
+        self.version = 0
+        self.step = 0
+        self.trained_uids: list[str] = []
+        self.evicted_uids: list[str] = []
+        self.val_history: list[tuple[int, float]] = []
+        self._val_task: asyncio.Task | None = None
+        self.sync_results: list[Any] = []
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything but the engine; taken with no await in between, so the dataloader
+        position and the buffer agree."""
+        return {
+            "step": self.step,
+            "version": self.version,
+            "dataloader": self.driver.loader.state_dict(),
+            "buffer": self.buffer.core.state_dict(),
+            "rng": rng_state(),
+            "trained_uids": list(self.trained_uids),
+            "evicted_uids": list(self.evicted_uids),
+        }
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        self.driver.loader.load_state_dict(state["dataloader"])
+        self.buffer.core.load_state_dict(state["buffer"])
+        set_rng_state(state["rng"])
+        self.trained_uids = list(state.get("trained_uids", []))
+        self.evicted_uids = list(state.get("evicted_uids", []))
+
+    def _save(self) -> None:
+        if self.checkpoints is None:
+            return
+        path = self.checkpoints.save(self.step, self.engine, self.state())
+        self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
+
+    # ---- validation ----------------------------------------------------------------------
+    async def _finish_validation(self) -> None:
+        if self._val_task is None:
+            return
+        task, self._val_task = self._val_task, None
+        version, metrics = await task
+        self.val_history.append((version, metrics["val/reward"]))
+        self.tracker.log(version, metrics, advance=False)
+        self.tracker.event(
+            f"[validation] weight version {version}: "
+            + " ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+        )
+
+    def _start_validation(self) -> None:
+        if self.validator is None:
+            return
+        version = self.version
+
+        async def run() -> tuple[int, dict[str, float]]:
+            return version, await self.validator.run(tag=f"v{version}")
+
+        self._val_task = asyncio.create_task(run(), name=f"validation-v{version}")
+
+    # ---- the loop ------------------------------------------------------------------------
+    async def run(self) -> dict[str, Any]:
+        s = self.s
+        start = 1
+        if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
+            state = self.checkpoints.load(path, self.engine)
+            self._restore(state)
+            start = self.step + 1
+            self.tracker.event(f"resumed from {path} at step {start} (version {self.version})")
+            # The replicas started from the base model: bring them to the restored version.
+            await self.pool.sync(self.engine.export_weights, self.version)
+        run_t0 = time.perf_counter()
+        self.driver.start()
+        try:
+            if s.val_before_train and self.validator is not None:
+                self._start_validation()
+                await self._finish_validation()
+            for step in range(start, s.total_training_steps + 1):
+                metrics = await self._global_step(step)
+                self.tracker.log(step, metrics)
+                if s.save_freq > 0 and step % s.save_freq == 0:
+                    self._save()
+            await self._finish_validation()
+        finally:
+            await self.driver.stop()
+        if s.save_freq == 0 and self.step >= start:
+            self._save()
+        self.buffer.core.check_accounting()
+        return {
+            "wall_s": time.perf_counter() - run_t0,
+            "steps": self.step,
+            "version": self.version,
+            "counts": self.buffer.core.counts(),
+            "val_history": self.val_history,
+        }
+
+    async def _wait_for_batch(self, step: int) -> tuple[list[PromptGroup], list[PromptGroup]]:
+        waiter = asyncio.ensure_future(self.buffer.sample(self.s.train_batch_size))
+        while True:
+            done, _ = await asyncio.wait([waiter], timeout=1.0)
+            if done:
+                return waiter.result()
+            try:
+                self.driver.check()
+            except BaseException:
+                waiter.cancel()
+                raise
+
+    async def _global_step(self, step: int) -> dict[str, float]:
+        s = self.s
+        t_step = time.perf_counter()
+        busy0 = self.driver.clock.read()
+        tokens0 = self.driver.tokens_generated
+        await self.buffer.begin_step(step)
+        self.step = step
+
+        t0 = time.perf_counter()
+        groups, evicted = await self._wait_for_batch(step)
+        wait_s = time.perf_counter() - t0
+        self.trained_uids += [g.uid for g in groups]
+        self.evicted_uids += [g.uid for g in evicted]
+
+        batch, data = build_train_batch(groups, s)
+        t0 = time.perf_counter()
+        if s.old_log_prob_source == "trainer":
+            # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
+            data["old_log_probs"] = await asyncio.to_thread(
+                self.engine.compute_log_probs, data, s.temperature
+            )
+        old_lp_s = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        rows_per_mb = s.ppo_mini_batch_size * s.n
+        update_metrics: list[dict[str, float]] = []
+        for _ in range(s.ppo_epochs):
+            for k in range(s.parameter_sync_step):
+                mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
+                update_metrics.append(await asyncio.to_thread(self.engine.update, mb))
+        train_s = time.perf_counter() - t0
+
+        # The last validation must see only its own version: finish it before syncing.
+        await self._finish_validation()
+        t0 = time.perf_counter()
+        result = await self.pool.sync(self.engine.export_weights, step)
+        sync_s = time.perf_counter() - t0
+        self.version = step
+        self.sync_results.append(result)
+        if (s.test_freq > 0 and step % s.test_freq == 0) or step == s.total_training_steps:
+            self._start_validation()
+
+        step_s = time.perf_counter() - t_step
+        busy = self.driver.clock.read() - busy0
+        tokens = self.driver.tokens_generated - tokens0
+        spans = [float(g.span(step)) for g in groups for _ in g.trajectories]
+        stale = [float((step - 1) - t.min_weight_version) for g in groups for t in g.trajectories]
+        lengths = [float(len(t.response_ids)) for g in groups for t in g.trajectories]
+        rewards = batch.rewards.tolist()
+        counts = self.buffer.core.counts()
+        metrics: dict[str, float] = {
+            "weight_version": float(self.version),
+            "reward/mean": sum(rewards) / len(rewards),
+            "reward/max": max(rewards),
+            "reward/min": min(rewards),
+            **_stats("response_length", lengths),
+            **_stats("off_policy/trajectory_spans", spans),
+            **_stats("off_policy/trajectory_staleness", stale),
+            "buffer/evicted": float(len(evicted)),
+            "buffer/evicted_total": float(counts["evicted"]),
+            "buffer/failed_total": float(counts["failed"]),
+            "buffer/submitted_total": float(counts["submitted"]),
+            "buffer/in_flight": float(counts["pending"] + counts["running"] + counts["finished"]),
+            "timing/generate_wait_s": wait_s,
+            "timing/old_log_prob_s": old_lp_s,
+            "timing/train_s": train_s,
+            "timing/sync_s": sync_s,
+            "timing/step_s": step_s,
+            "sync/gbps": result.transfer_gbps,
+            "sync/bytes": float(result.bytes),
+            "sync/replicas": float(len(result.succeeded)),
+            "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
+            "perf/trainer_idle_frac": wait_s / step_s if step_s > 0 else 0.0,
+            "perf/rollout_idle_frac": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
+            "memory/trainer_peak_rss_gb": _peak_rss_gb(),
+        }
+        for phase, secs in result.phase_s.items():
+            metrics[f"timing/sync_{phase}_s"] = secs
+        metrics.update(_merge_updates(update_metrics))
+        if self.rollout_memory is not None:
+            metrics.update(await self.rollout_memory())
+        return metrics
+
+
+def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Merge the metrics of a step's mini-batch updates: counts and LR last, others mean."""
+    if not updates:
+        return {}
+    try:
+        from offbeat.core.metrics import MetricsAggregator
+    except ImportError:
+        MetricsAggregator = None
+    if MetricsAggregator is not None:
+        agg = MetricsAggregator()
+        for u in updates:
+            agg.add(u)
+        return dict(agg.result())
+    out: dict[str, float] = {}
+    for k in updates[0]:
+        vals = [u[k] for u in updates if k in u]
+        out[k] = vals[-1] if k in ("actor/lr", "actor/update_count") else sum(vals) / len(vals)
+    return out

@@ -1,0 +1,54 @@
+"""Validation on the rollout replicas: greedy answers to a fixed prompt set, scored.
+
+Knows nothing about training: it runs the agent loop (one sample per prompt, greedy by
+default) through the same client and balancer the training rollout uses, so validation
+requests interleave with training generation on the same replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
+
+
+class Validator:
+    """Mean reward of `agent` over `rows` (failed rows score 0 and are counted)."""
+
+    def __init__(
+        self,
+        agent: SingleTurnAgentLoop,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        sampling: Mapping[str, Any] | None = None,
+        max_concurrency: int = 64,
+    ) -> None:
+        if not rows:
+            raise ValueError("Validator: no validation rows")
+        self.agent = agent
+        self.rows = list(rows)
+        self.sampling = dict(sampling if sampling is not None else {"temperature": 0.0})
+        self.max_concurrency = max_concurrency
+
+    async def run(self, tag: str = "val") -> dict[str, float]:
+        sem = asyncio.Semaphore(self.max_concurrency)
+
+        async def one(i: int, row: Mapping[str, Any]) -> tuple[float, float, bool]:
+            async with sem:
+                try:
+                    (t,) = await self.agent.sample(f"{tag}-{i}", row, 1, self.sampling)
+                except GroupFailed:
+                    return 0.0, 0.0, False
+                return t.reward, float(len(t.response_ids)), True
+
+        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(self.rows)))
+        rewards = [r for r, _, _ in results]
+        lengths = [n for _, n, ok in results if ok]
+        return {
+            "val/reward": sum(rewards) / len(rewards),
+            "val/exact": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "val/response_length": sum(lengths) / len(lengths) if lengths else 0.0,
+            "val/failed": float(sum(not ok for _, _, ok in results)),
+        }
