@@ -4,6 +4,7 @@ from offbeat.core.tasks.dataloader import PromptDataLoader
 from offbeat.core.tasks.synthetic import (
     ALPHABET,
     TASKS,
+    SyntheticTaskConfig,
     make_rows,
     read_parquet,
     write_parquet,
@@ -14,6 +15,7 @@ __all__ = [  # synthetic tasks and the parquet loader
     "ALPHABET",
     "TASKS",
     "PromptDataLoader",
+    "SyntheticTaskConfig",
     "make_rows",
     "read_parquet",
     "write_parquet",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,20 @@ import pyarrow.parquet as pq
 
 TASKS = ("reverse", "copy", "add")
 ALPHABET = "abcdef"
+
+
+@dataclass
+class SyntheticTaskConfig:
+    """The synthetic task written when a job names no dataset files (`out_dir` empty:
+    a cache directory keyed by these values)."""
+
+    name: str = "reverse"
+    n_train: int = 2000
+    n_val: int = 64
+    seed: int = 0
+    min_len: int = 3
+    max_len: int = 5
+    out_dir: str = ""
 
 
 def _letters(rng: random.Random, min_len: int, max_len: int) -> str:

@@ -1,0 +1,123 @@
+"""The `offbeat` console script: `offbeat run <recipe> [key=value ...]`.
+
+Knows nothing about what a recipe does: it finds `recipes/<recipe>/` (config.yaml and
+main.py), imports main.py (which may register engines and name its config schema as
+`CONFIG`), loads the YAML plus Hydra-style overrides into that schema, validates the
+whole config before anything starts, and calls the recipe's `main(cfg)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["find_recipes", "load_recipe", "main"]
+
+
+def _recipe_roots() -> list[Path]:
+    roots = []
+    if env := os.environ.get("OFFBEAT_RECIPES_DIR"):
+        roots.append(Path(env))
+    here = Path.cwd().resolve()
+    for d in (here, *here.parents):
+        if (d / "recipes").is_dir():
+            roots.append(d / "recipes")
+            break
+    # A source checkout: <root>/packages/core/src/offbeat/core/cli.py
+    src_root = Path(__file__).resolve().parents[5]
+    if (src_root / "recipes").is_dir():
+        roots.append(src_root / "recipes")
+    out: list[Path] = []
+    for r in roots:
+        if r.resolve() not in out:
+            out.append(r.resolve())
+    return out
+
+
+def find_recipes() -> dict[str, Path]:
+    """name -> directory of every recipe (a folder with config.yaml and main.py)."""
+    found: dict[str, Path] = {}
+    for root in _recipe_roots():
+        for d in sorted(root.iterdir()):
+            if (d / "config.yaml").is_file() and (d / "main.py").is_file():
+                found.setdefault(d.name, d)
+    return found
+
+
+def load_recipe(name: str) -> tuple[ModuleType, Path]:
+    recipes = find_recipes()
+    if name not in recipes:
+        raise SystemExit(
+            f"offbeat: unknown recipe {name!r}; available: {sorted(recipes) or '(none found)'} "
+            f"(looked in {[str(r) for r in _recipe_roots()]}; set OFFBEAT_RECIPES_DIR)"
+        )
+    d = recipes[name]
+    spec = importlib.util.spec_from_file_location(f"offbeat_recipe_{name}", d / "main.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module, d
+
+
+def load_recipe_config(name: str, overrides: list[str]):
+    """(recipe module, validated config) for `offbeat run <name> <overrides>`."""
+    from offbeat.core.config import JobConfig, load_config, validate
+
+    module, d = load_recipe(name)
+    schema = getattr(module, "CONFIG", JobConfig)
+    cfg = load_config(d / "config.yaml", overrides, schema=schema)
+    validate(cfg)
+    return module, cfg
+
+
+def _parser() -> argparse.ArgumentParser:
+    recipes = ", ".join(sorted(find_recipes())) or "(none found)"
+    p = argparse.ArgumentParser(
+        prog="offbeat",
+        description="offbeat: asynchronous RL post-training for LLMs.",
+        epilog=f"recipes: {recipes}\n\nexample: offbeat run separate_async trainer.total_training_steps=5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="run a recipe with Hydra-style key=value overrides")
+    run.add_argument("recipe", help=f"one of: {recipes}")
+    run.add_argument(
+        "overrides", nargs="*", help="key.sub=value, e.g. trainer.total_training_steps=3"
+    )
+    check = sub.add_parser("check", help="load and validate a recipe's config, start nothing")
+    check.add_argument("recipe")
+    check.add_argument("overrides", nargs="*")
+    sub.add_parser("recipes", help="list the recipes")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from offbeat.core.config import ConfigError
+
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 0
+    if args.command == "recipes":
+        for name, d in sorted(find_recipes().items()):
+            print(f"{name}\t{d}")
+        return 0
+    try:
+        module, cfg = load_recipe_config(args.recipe, list(args.overrides))
+    except ConfigError as e:
+        print(f"offbeat: {e}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(f"offbeat: config of {args.recipe!r} is valid")
+        return 0
+    result = module.main(cfg)
+    return int(result) if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""A brief supervised warm start: teach a freshly built model the task's answer format.
+
+Knows nothing about RL or engines: it fine-tunes a HF causal LM on (chat prompt -> ground
+truth answer + end-of-turn) pairs with cross-entropy on the answer tokens only, for a
+fixed number of steps, and saves an ordinary HF directory. Results are cached under a
+hash of everything that determines them, so a second run reuses the first's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offbeat.core.trainer.agent_loop import encode_prompt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmStartConfig:
+    """`steps=0` disables the warm start."""
+
+    steps: int = 0
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+
+
+def _key(model_dir: Path, rows_digest: str, cfg: WarmStartConfig) -> str:
+    marker = model_dir / "config.json"
+    h = hashlib.sha256()
+    h.update(str(model_dir.resolve()).encode())
+    h.update(marker.read_bytes() if marker.exists() else b"")
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    h.update(rows_digest.encode())
+    h.update(json.dumps(asdict(cfg), sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def warm_start(
+    model_dir: str | Path,
+    rows: Sequence[dict[str, Any]],
+    cfg: WarmStartConfig,
+    *,
+    cache_dir: str | Path,
+    prompt_key: str = "prompt",
+) -> Path:
+    """Fine-tune `model_dir` on `rows` for `cfg.steps` steps; return the new model's
+    directory (or `model_dir` itself when `cfg.steps == 0`)."""
+    model_dir = Path(model_dir)
+    if cfg.steps <= 0:
+        return model_dir
+    digest = hashlib.sha256(json.dumps(list(rows)[:4096], sort_keys=True, default=str).encode())
+    out = Path(cache_dir) / f"warm-{_key(model_dir, digest.hexdigest(), cfg)}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    examples = []
+    for row in rows:
+        messages = row[prompt_key]
+        prompt = encode_prompt(tok, list(messages))
+        answer = list(tok.encode(str(row["ground_truth"]), add_special_tokens=False))
+        if end is not None:
+            answer.append(end)
+        examples.append((prompt, answer))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    model.train()
+    loss_val = float("nan")
+    for _ in range(cfg.steps):
+        idx = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
+        batch = [examples[i] for i in idx]
+        width = max(len(p) + len(a) for p, a in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (p, a) in enumerate(batch):
+            seq = p + a
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+            labels[i, len(p) : len(seq)] = torch.tensor(a)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_val = float(loss)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        for extra in ("generation_config.json",):
+            if (model_dir / extra).exists() and not (tmp / extra).exists():
+                shutil.copy(model_dir / extra, tmp / extra)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(
+        "warm start: %d steps in %.1fs, final loss %.3f -> %s",
+        cfg.steps,
+        time.perf_counter() - t0,
+        loss_val,
+        out,
+    )
+    return out

@@ -1,0 +1,94 @@
+"""separate_async: asynchronous RL with rollout and training on separate resources.
+
+    offbeat run separate_async [key=value ...]
+
+What one run does (the pieces live in offbeat.core.trainer; this file only wires them):
+
+    prompts (parquet) ─► RolloutDriver ─► SingleTurnAgentLoop ─► PartialRolloutClient
+                              │                                        │ lease
+                              ▼                                        ▼
+                         ReplayBuffer ◄── trajectories + rewards   vLLM replicas (Ray actors)
+                              │ oldest-first batch, span <= threshold   ▲
+                              ▼                                        │ weights, every step
+                         Trainer: advantages -> parameter_sync_step updates (FSDP2)
+                                  -> CheckpointEngineManager.sync(version = step)
+
+Rollout never stops for training: while the trainer updates, the replicas generate the
+next batches on the previous weights (a sync interrupts them; the client resumes each
+request on the new weights). `max_off_policy_threshold` bounds how old a trained sample
+may be (`drop` evicts older ones and refills, `wait` holds training until stragglers end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from offbeat.core.registry import ROLLOUT_ENGINES
+from offbeat.core.trainer.job import RunConfig, run_job
+
+CONFIG = RunConfig  # the schema config.yaml and the overrides are loaded into
+
+
+def vllm_replica(job: RunConfig, model_path: str, index: int) -> Any:
+    """One vLLM engine replica as a Ray actor, seen through the RolloutServer protocol."""
+    from offbeat.rollout_vllm import RemoteRolloutServer, VLLMServerConfig, vllm_server_actor
+
+    rt = job.runtime
+    engine_kwargs = {
+        "dtype": job.model.dtype,
+        "tensor_parallel_size": job.rollout.tensor_parallel_size,
+        **job.rollout.engine_kwargs,
+    }
+    handle = vllm_server_actor(
+        VLLMServerConfig(
+            model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"
+        ),
+        num_cpus=rt.rollout_num_cpus,
+        num_gpus=rt.rollout_num_gpus,
+        runtime_env={"env_vars": dict(rt.rollout_env)},
+    )
+    return RemoteRolloutServer(handle)
+
+
+if "vllm" not in ROLLOUT_ENGINES.registered():
+    ROLLOUT_ENGINES.register("vllm", vllm_replica)
+
+
+def report(summary: dict[str, Any]) -> None:
+    counts = summary["counts"]
+    val = summary["val_history"]
+    print("\n=== separate_async finished ===")
+    print(f"steps: {summary['steps']}  weight version: {summary['version']}")
+    print(
+        f"wall time: {summary['total_wall_s']:.0f}s (engines ready after {summary['startup_s']:.0f}s)"
+    )
+    if val:
+        first, last = val[0], val[-1]
+        best = max(val, key=lambda x: x[1])
+        print(
+            f"validation reward: {first[1]:.3f} (version {first[0]}) -> {last[1]:.3f} "
+            f"(version {last[0]}), best {best[1]:.3f} (version {best[0]})"
+        )
+    print(
+        f"prompts: submitted {counts['submitted']}, trained {counts['trained']}, evicted "
+        f"{counts['evicted']}, failed {counts['failed']}, still in flight "
+        f"{counts['pending'] + counts['running'] + counts['finished']}"
+    )
+    if summary.get("removed_replicas"):
+        print(f"replicas removed: {summary['removed_replicas']}")
+    print(f"metrics: {summary['metrics']}\nplot: {summary['plot']}")
+
+
+def main(cfg: RunConfig) -> int:
+    summary = asyncio.run(run_job(cfg))
+    report(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from offbeat.core.cli import main as cli_main
+
+    sys.exit(cli_main(["run", "separate_async", *sys.argv[1:]]))
