@@ -35,7 +35,7 @@ def awkward_model() -> dict[str, torch.Tensor]:
 
 
 def digest(t: torch.Tensor) -> tuple[str, tuple[int, ...], int]:
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return (str(t.dtype), tuple(t.shape), zlib.crc32(b.numpy()) if b.numel() else 0)
 
 

@@ -10,6 +10,7 @@ copies finished.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -91,6 +92,9 @@ class SharedBufferSender(Sender):
 
     def abort(self, reason: str) -> None:
         self._aborted = reason
+        for _rank, conn in self._live():
+            with contextlib.suppress(PeerError):
+                conn.send({"type": "abort", "reason": reason})
         for rank in range(self._n):
             self._fail(rank, reason)
         self._listener.close()
@@ -232,8 +236,12 @@ def receive_shared(
         reasm = Reassembler()
         expected = 0
         while True:
-            msg = conn.recv(spec.timeout_s)
+            # Before the first bucket the sender may spend a whole timeout waiting for
+            # other receivers to connect.
+            msg = conn.recv(spec.timeout_s * (2 if expected == 0 else 1))
             kind = msg.get("type")
+            if kind == "abort":
+                raise PeerError(f"the sender aborted the sync: {msg.get('reason')}")
             if kind == "end":
                 if msg["buckets"] != expected:
                     raise PeerError(

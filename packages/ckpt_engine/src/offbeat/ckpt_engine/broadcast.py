@@ -229,11 +229,7 @@ class _BroadcastSender(Sender):
             g.build(self._timeout)
             nbytes, nbuckets, _ = _stream(g, self._ch, named_tensors, None, self._timeout, False)
             done_keys = [f"{self._ch['group']}/{self._ch['sync']}/done/{r}" for r in range(self._n)]
-            g.store.wait(done_keys, timedelta(seconds=self._timeout))
-            for r, key in enumerate(done_keys):
-                status = g.store.get(key).decode()
-                if status != "ok":
-                    self._failed.setdefault(r, status)
+            self._wait_done(g.store, done_keys)
         except Exception as e:
             self._backend._drop_group()
             for r in range(self._n):
@@ -242,6 +238,28 @@ class _BroadcastSender(Sender):
         finally:
             self._cleanup()
         return SendReport(nbytes, nbuckets, time.perf_counter() - t0, dict(self._failed))
+
+    def _wait_done(self, store: dist.Store, done_keys: list[str]) -> None:
+        """Every receiver's final status; one the manager saw die is not waited for."""
+        deadline = time.monotonic() + self._timeout
+        pending = dict(enumerate(done_keys))
+        while pending:
+            for r, key in list(pending.items()):
+                if r in self._failed:
+                    del pending[r]
+                elif store.check([key]):
+                    status = store.get(key).decode()
+                    if status != "ok":
+                        self._failed.setdefault(r, status)
+                    del pending[r]
+            if pending and time.monotonic() > deadline:
+                for r in pending:
+                    self._failed.setdefault(
+                        r, f"receiver {r} did not finish within {self._timeout:.1f}s"
+                    )
+                return
+            if pending:
+                time.sleep(0.02)
 
     def _cleanup(self) -> None:
         prefix = f"{self._ch['group']}/{self._ch['sync']}"

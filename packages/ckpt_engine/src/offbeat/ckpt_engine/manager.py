@@ -68,6 +68,7 @@ class CheckpointEngineManager:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         phase_timeout_s: float = 300.0,
         transfer_timeout_s: float | None = None,
+        wait_timeout_s: float | None = None,
         checksum: bool = False,
         backend_options: Mapping[str, Any] | None = None,
         targets: Mapping[str, SyncTarget] | None = None,
@@ -85,6 +86,9 @@ class CheckpointEngineManager:
         self.bucket_bytes = bucket_bytes
         self.phase_timeout_s = phase_timeout_s
         self.transfer_timeout_s = transfer_timeout_s or phase_timeout_s
+        # A receiver that makes no progress for this long (connect, one bucket) is dropped,
+        # leaving the rest of the phase to the others.
+        self.wait_timeout_s = wait_timeout_s or self.transfer_timeout_s / 2
         self.checksum = checksum
         self._targets: dict[str, SyncTarget] = {}
         self._lock = asyncio.Lock()
@@ -190,12 +194,13 @@ class CheckpointEngineManager:
             num_receivers=len(names),
             bucket_bytes=self.bucket_bytes,
             checksum=self.checksum,
-            timeout_s=timeout,
+            timeout_s=self.wait_timeout_s,
             members=tuple(names),
         )
         stream = named_tensors() if callable(named_tensors) else named_tensors
         send_task = asyncio.ensure_future(asyncio.to_thread(sender.send, stream))
         reasons: dict[str, str] = {}
+        received: set[str] = set()
 
         async def receive_one(rank: int, name: str) -> None:
             try:
@@ -204,12 +209,23 @@ class CheckpointEngineManager:
                     raise RuntimeError(
                         f"replica reported version {got} after a sync to version {version}"
                     )
+                received.add(name)
             except Exception as e:
                 reasons[name] = f"transfer: {type(e).__name__}: {e}"
                 sender.drop(rank, reasons[name])
 
         recv_tasks = [asyncio.ensure_future(receive_one(r, n)) for r, n in enumerate(names)]
-        _done, pending = await asyncio.wait([send_task, *recv_tasks], timeout=timeout)
+        deadline = time.monotonic() + timeout
+        await asyncio.wait([send_task], timeout=timeout)
+        if send_task.done() and not send_task.cancelled() and send_task.exception() is None:
+            # Receivers the sender gave up on are failed already; stop waiting for them.
+            for rank, task in enumerate(recv_tasks):
+                if rank in send_task.result().failed and not task.done():
+                    task.cancel()
+                    reasons.setdefault(names[rank], f"transfer: {send_task.result().failed[rank]}")
+        _done, pending = await asyncio.wait(
+            [send_task, *recv_tasks], timeout=max(0.0, deadline - time.monotonic())
+        )
         if pending:
             sender.abort(f"transfer did not finish within {timeout:.1f}s")
             for name, task in zip(names, recv_tasks, strict=True):
@@ -223,15 +239,18 @@ class CheckpointEngineManager:
         if send_task.done() and not send_task.cancelled():
             if send_task.exception() is not None:
                 err = send_task.exception()
-                for name in names:
-                    reasons.setdefault(
-                        name, f"transfer: sender failed: {type(err).__name__}: {err}"
-                    )
+                for name in names:  # the root cause, whatever the receivers saw
+                    reasons[name] = f"transfer: sender failed: {type(err).__name__}: {err}"
             else:
                 report = send_task.result()
         for rank, name in enumerate(names):
-            if name in reasons:
-                result.failed[name] = reasons[name]
-            elif rank in report.failed:
-                result.failed[name] = f"transfer: {report.failed[rank]}"
+            if name in received:
+                # The receiver saw the whole stream, end marker and bucket count included;
+                # trouble the sender had with other members does not undo that.
+                continue
+            result.failed[name] = reasons.get(name) or (
+                f"transfer: {report.failed[rank]}"
+                if rank in report.failed
+                else "transfer: did not complete"
+            )
         return report
