@@ -21,8 +21,9 @@ from offbeat.core.models import build_tiny_model
 from offbeat.core.train import (
     FSDP2Config,
     FSDP2TrainEngine,
-    GlobalNorm,
     OptimConfig,
+    PPOLoss,
+    PPOLossConfig,
     build_train_engine,
 )
 
@@ -69,30 +70,24 @@ def rows_of(batch: dict, start: int, stop: int) -> dict:
     return {k: v[start:stop] for k, v in batch.items()}
 
 
-def ppo_token_mean_loss(log_probs, entropy, mb, norm: GlobalNorm):
-    """Clipped PPO surrogate, token-mean over the global mini-batch (a stand-in for core's
-    algorithms in these engine tests)."""
-    mask = mb["response_mask"]
-    ratio = torch.exp(log_probs - mb["old_log_probs"])
-    adv = mb["advantages"]
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
-    loss = (pg * mask).sum() / norm.num_tokens
-    return loss, {"actor/pg_loss": loss.detach(), "actor/tokens": mask.sum() / norm.num_tokens}
-
-
-def make_engine(model_dir: Path, micro_batch_size: int = 4, **optim) -> FSDP2TrainEngine:
+def make_engine(
+    model_dir: Path, micro_batch_size: int = 4, loss: PPOLossConfig | None = None, **optim
+) -> FSDP2TrainEngine:
     defaults = {"lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1.0}
     config = FSDP2Config(
         model_path=str(model_dir),
         micro_batch_size=micro_batch_size,
         optim=OptimConfig(**{**defaults, **optim}),
     )
-    return FSDP2TrainEngine(config, loss_fn=ppo_token_mean_loss)
+    return FSDP2TrainEngine(config, loss_fn=PPOLoss(loss or PPOLossConfig()))
 
 
 def with_old_log_probs(engine: FSDP2TrainEngine, batch: dict) -> dict:
-    old = engine.compute_log_probs(batch) + batch["old_log_probs_noise"] * batch["response_mask"]
-    return {**batch, "old_log_probs": old}
+    """Decoupled PPO: proximal = the engine's start-of-step log-probs; the behaviour policy
+    (the rollout's) is off by some noise."""
+    proximal = engine.compute_log_probs(batch)
+    behaviour = proximal + batch["old_log_probs_noise"] * batch["response_mask"]
+    return {**batch, "old_log_probs": proximal, "rollout_log_probs": behaviour}
 
 
 def params_of(engine: FSDP2TrainEngine) -> dict[str, torch.Tensor]:
@@ -104,16 +99,21 @@ def grads_of(engine: FSDP2TrainEngine) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
 
 
+EPS = 1e-3
+
+
 def assert_same_update(got: tuple, want: tuple) -> None:
-    """Gradients equal to float rounding; parameters equal up to what AdamW's sign-like
-    first step makes of that rounding (a fraction of the LR of 1e-2)."""
+    """Gradients equal up to float rounding, and so are the updated parameters (the
+    engines use AdamW with eps=EPS, so a rounding difference in a near-zero gradient cannot
+    flip the sign of Adam's first, sign-like step)."""
     (got_params, got_grads), (want_params, want_grads) = got, want
     assert sorted(got_params) == sorted(want_params)
     for name in want_params:
+        scale = float(want_grads[name].abs().max()) or 1.0
         torch.testing.assert_close(
-            got_grads[name], want_grads[name], atol=1e-7, rtol=1e-5, msg=name
+            got_grads[name], want_grads[name], atol=1e-5 * scale, rtol=1e-4, msg=name
         )
-        torch.testing.assert_close(got_params[name], want_params[name], atol=1e-4, rtol=0, msg=name)
+        torch.testing.assert_close(got_params[name], want_params[name], atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +163,31 @@ def test_update_reduces_loss_on_fixed_batch(model_dir):
     assert engine.global_update_count == 4
 
 
-def test_gradient_accumulation_matches_one_big_micro_batch(model_dir):
+LOSSES = {
+    "token-mean": PPOLossConfig(),
+    "token-sum+kl": PPOLossConfig(loss_agg_mode="token-sum", use_kl_loss=True, kl_loss_coef=0.1),
+    "seq-mean-token-sum+entropy": PPOLossConfig(
+        loss_agg_mode="seq-mean-token-sum", entropy_coeff=0.01
+    ),
+    "seq-mean-token-sum-norm": PPOLossConfig(loss_agg_mode="seq-mean-token-sum-norm", horizon=9),
+    "seq-mean-token-mean+masked-IS": PPOLossConfig(
+        loss_agg_mode="seq-mean-token-mean",
+        rollout_is_level="token",
+        rollout_is_mode="mask",
+        rollout_is_threshold=1.1,
+    ),
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_gradient_accumulation_matches_one_big_micro_batch(model_dir, loss):
     """Same mini-batch, micro-batches of 8 (one), 3 and 1 rows: with the global normaliser
-    the accumulated gradient, hence the update, is the same."""
+    the accumulated gradient, hence the update, is the same for every aggregation mode."""
     batch = make_batch(8, seed=2)
+    batch["ref_log_probs"] = -torch.rand(batch["response_mask"].shape) * batch["response_mask"]
     results = []
     for micro in (8, 3, 1):
-        engine = make_engine(model_dir, micro_batch_size=micro, grad_clip=0.0)
+        engine = make_engine(model_dir, micro, LOSSES[loss], grad_clip=0.0, eps=EPS)
         mb = with_old_log_probs(engine, batch)
         metrics = engine.update(mb)
         results.append(((params_of(engine), grads_of(engine)), metrics))
@@ -178,7 +196,14 @@ def test_gradient_accumulation_matches_one_big_micro_batch(model_dir):
         assert_same_update(update, ref)
         assert metrics["actor/loss"] == pytest.approx(ref_metrics["actor/loss"], rel=1e-5)
         assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-4)
-        assert metrics["actor/tokens"] == pytest.approx(1.0)
+        assert sorted(metrics) == sorted(ref_metrics)
+        for name, value in ref_metrics.items():
+            if name == "actor/max_memory_gb":
+                continue
+            assert metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    if "masked-IS" in loss:  # the mask mode removed tokens from the normaliser
+        assert ref_metrics["actor/num_tokens"] < batch["response_mask"].sum()
+        assert ref_metrics["rollout_is/outside_frac"] > 0
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -239,7 +264,8 @@ def test_save_load_restores_model_optimizer_and_schedule(model_dir, tmp_path):
     b.load(str(ckpt))
     assert b.global_update_count == 2 and b.lr == saved_lr
     after_b = b.update(with_old_log_probs(b, b3))
-    assert after_b == after_a
+    after_a.pop("actor/max_memory_gb"), after_b.pop("actor/max_memory_gb")
+    assert after_b == after_a  # same loss, grad norm, LR: bit for bit
     for (name, x), (_, y) in zip(a.export_weights(), b.export_weights(), strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0, msg=name)
 
@@ -278,7 +304,7 @@ ROWS, SEED = 8, 21
 
 
 def _reference_update(model_dir: Path) -> tuple[tuple[dict, dict], dict]:
-    engine = make_engine(model_dir, micro_batch_size=3)
+    engine = make_engine(model_dir, micro_batch_size=3, eps=EPS)
     batch = with_old_log_probs(engine, make_batch(ROWS, seed=SEED))
     metrics = engine.update(batch)
     return (params_of(engine), grads_of(engine)), metrics
@@ -288,7 +314,7 @@ def _worker(model_dir: str, out: str) -> None:
     """One rank of the 2-process run: its half of the same mini-batch."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = make_engine(Path(model_dir), micro_batch_size=3)
+    engine = make_engine(Path(model_dir), micro_batch_size=3, eps=EPS)
     full = make_batch(ROWS, seed=SEED)
     # Uneven shards (3 and 5 rows) make the ranks run different micro-batch counts.
     cut = 3

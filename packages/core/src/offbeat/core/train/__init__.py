@@ -1,15 +1,17 @@
-"""Training backends: the TrainEngine contract, its registry, and the FSDP2 engine."""
+"""Training backends: the TrainEngine contract and its registry, the FSDP2 engine, the PPO
+loss it optimises, and the optimizer / LR schedule."""
 
 from offbeat.core.train.engine import (
     TRAIN_ENGINES,
-    GlobalNorm,
     LossFn,
     TrainEngine,
     batch_field,
+    build_actor_engine,
     build_train_engine,
     register_train_engine,
 )
 from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine, hf_name
+from offbeat.core.train.loss import PPOLoss, PPOLossConfig
 from offbeat.core.train.optim import (
     LR_SCHEDULES,
     OptimConfig,
@@ -18,16 +20,18 @@ from offbeat.core.train.optim import (
     lr_factor,
 )
 
-__all__ = [  # contract + registry, the FSDP2 engine, optimizer and LR schedule
+__all__ = [  # contract + registry, the FSDP2 engine, its loss, optimizer and LR schedule
     "LR_SCHEDULES",
     "TRAIN_ENGINES",
     "FSDP2Config",
     "FSDP2TrainEngine",
-    "GlobalNorm",
     "LossFn",
     "OptimConfig",
+    "PPOLoss",
+    "PPOLossConfig",
     "TrainEngine",
     "batch_field",
+    "build_actor_engine",
     "build_lr_scheduler",
     "build_optimizer",
     "build_train_engine",

@@ -24,44 +24,48 @@ to the calling rank:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from offbeat.core.algorithms import LossNormalizer
 from offbeat.core.registry import TRAIN_ENGINES
 
 __all__ = [
     "TRAIN_ENGINES",
-    "GlobalNorm",
     "LossFn",
     "TrainEngine",
     "batch_field",
+    "build_actor_engine",
     "build_train_engine",
     "register_train_engine",
 ]
 
 
-@dataclass(frozen=True)
-class GlobalNorm:
-    """Normalisers of one PPO mini-batch counted over all its micro-batches and all
-    data-parallel ranks, so a micro-batch's loss is its exact share of the mini-batch loss
-    whatever the split."""
+@runtime_checkable
+class LossFn(Protocol):
+    """What an engine optimises (e.g. `offbeat.core.train.loss.PPOLoss`).
 
-    num_tokens: float  # response tokens (sum of response_mask) in the mini-batch
-    num_seqs: float  # sequences (rows) in the mini-batch
-    dp_size: int
+    `prepare` sees this rank's whole mini-batch once and may add fields; its
+    ``loss_mask`` (default: ``response_mask``) is what the engine counts, over all
+    micro-batches and ranks, into the `LossNormalizer` (with `horizon`, and `loss_scale`
+    = data-parallel size). `__call__` returns one micro-batch's share of the mini-batch
+    loss (summed over micro-batches and ranks it is the mini-batch loss) and metrics that
+    are token means over the micro-batch's loss mask.
+    """
 
+    needs_entropy: bool
+    horizon: float | None
 
-# loss_fn(log_probs [b,R], entropy [b,R] or None, micro_batch, norm) -> (loss, metrics).
-# `loss` is this micro-batch's contribution: summed over micro-batches and ranks it is the
-# mini-batch loss. Each metric is a contribution to a global mean the same way (already
-# divided by the global normaliser), so the engine only sums them.
-# A loss function may set the attribute `needs_entropy = True` to receive the entropy.
-LossFn = Callable[
-    [torch.Tensor, torch.Tensor | None, Any, GlobalNorm],
-    tuple[torch.Tensor, dict[str, torch.Tensor]],
-]
+    def prepare(self, mini_batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]: ...
+
+    def __call__(
+        self,
+        log_probs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        micro_batch: dict[str, Any],
+        normalizer: LossNormalizer,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 def batch_field(batch: Any, name: str, required: bool = True) -> torch.Tensor | None:
@@ -103,12 +107,13 @@ class TrainEngine(Protocol):
     @property
     def dp_size(self) -> int: ...
 
-    def compute_log_probs(self, batch: Any, temperature: float = 1.0) -> torch.Tensor:
+    def compute_log_probs(self, batch: Any, temperature: float | None = None) -> torch.Tensor:
         """Log-probs [B, R] of the batch's response tokens under the current weights with
-        logits divided by `temperature`; 0 where response_mask is 0."""
+        logits divided by `temperature` (None: the engine's configured one, which should
+        be the rollout's); 0 where response_mask is 0."""
         ...
 
-    def update(self, mini_batch: Any) -> dict[str, float]:
+    def update(self, mini_batch: Any, temperature: float | None = None) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch; returns metrics that
         are already reduced over all ranks (identical on every rank)."""
         ...
@@ -140,3 +145,9 @@ def register_train_engine(name: str) -> Callable[[type], type]:
 def build_train_engine(name: str, *args: Any, **kwargs: Any) -> TrainEngine:
     """Build the registered engine `name`; an unknown name lists the registered ones."""
     return TRAIN_ENGINES.get(name)(*args, **kwargs)
+
+
+def build_actor_engine(job: Any, **kwargs: Any) -> TrainEngine:
+    """The policy's engine for a `offbeat.core.config.JobConfig`: the class registered
+    under `job.actor.engine`, built by its `from_job_config(job, **kwargs)`."""
+    return TRAIN_ENGINES.get(job.actor.engine).from_job_config(job, **kwargs)

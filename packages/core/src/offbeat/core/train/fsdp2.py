@@ -9,8 +9,8 @@ weights out one parameter at a time, and saves/loads its sharded state with DCP.
 
 from __future__ import annotations
 
+import math
 import os
-from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from offbeat.core.algorithms import global_normalizer
+from offbeat.core.device import Device, current_device, get_device
 from offbeat.core.train import _batch, _checkpoint
-from offbeat.core.train.engine import GlobalNorm, LossFn, register_train_engine
+from offbeat.core.train._metrics import MetricSums
+from offbeat.core.train.engine import LossFn, register_train_engine
+from offbeat.core.train.loss import PPOLoss, PPOLossConfig
 from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
 
 __all__ = ["FSDP2Config", "FSDP2TrainEngine"]
@@ -45,7 +49,9 @@ class FSDP2Config:
     """
 
     model_path: str = ""
+    device: str | None = None  # a name in offbeat.core.registry.DEVICES; None: cuda if usable
     micro_batch_size: int = 4
+    temperature: float = 1.0  # the rollout's sampling temperature: logits are divided by it
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     export_dtype: str | None = None
@@ -56,6 +62,8 @@ class FSDP2Config:
 
     def validate(self, prefix: str = "train_engine") -> None:
         """Raise ValueError naming the key, the bad value and what would be valid."""
+        if not self.temperature > 0:
+            raise ValueError(f"{prefix}.temperature={self.temperature!r}: must be > 0")
         if self.micro_batch_size < 1:
             raise ValueError(f"{prefix}.micro_batch_size={self.micro_batch_size!r}: must be >= 1")
         for key in ("param_dtype", "reduce_dtype", "export_dtype"):
@@ -64,23 +72,48 @@ class FSDP2Config:
                 raise ValueError(f"{prefix}.{key}={value!r}: must be one of {sorted(_DTYPES)}")
         self.optim.validate(f"{prefix}.optim")
 
+    @classmethod
+    def from_job_config(cls, job: Any) -> FSDP2Config:
+        """The actor's engine config from a `offbeat.core.config.JobConfig`: the LR horizon
+        is total_training_steps x parameter_sync_step x ppo_epochs mini-batch updates."""
+        a = job.actor
+        return cls(
+            model_path=job.model.path,
+            device=job.resources.device,
+            micro_batch_size=a.ppo_micro_batch_size_per_device,
+            temperature=job.rollout.temperature,
+            param_dtype=job.model.dtype,
+            export_dtype=job.model.dtype,
+            gradient_checkpointing=a.gradient_checkpointing,
+            trust_remote_code=job.model.trust_remote_code,
+            optim=OptimConfig(
+                lr=a.lr,
+                weight_decay=a.weight_decay,
+                grad_clip=a.grad_clip,
+                warmup_updates=a.lr_warmup_steps,
+                total_updates=job.trainer.total_training_steps
+                * job.async_training.parameter_sync_step
+                * a.ppo_epochs,
+            ),
+        )
 
-def _device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def _ensure_process_group(device_type: str) -> None:
+def _ensure_process_group(device: Device) -> torch.device:
     """Join the caller's process group if there is one (torchrun / env:// variables), or
-    start a private single-process group (needs no port)."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend)
+    start a private single-process group (needs no port); return this rank's device."""
+    if device.torch_type == "cpu":
+        local = torch.device("cpu")
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        module = torch.get_device_module(device.torch_type)
+        if "LOCAL_RANK" in os.environ and not dist.is_initialized():
+            module.set_device(int(os.environ["LOCAL_RANK"]))
+        local = device.torch_device(module.current_device())
+    if not dist.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(device.backend)
+        else:
+            dist.init_process_group(device.backend, store=dist.HashStore(), rank=0, world_size=1)
+    return local
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -116,28 +149,33 @@ class FSDP2TrainEngine:
 
     `model` may be passed already built (tests, custom models); otherwise it is loaded
     from `config.model_path` with `AutoModelForCausalLM`. `loss_fn` computes a
-    micro-batch's share of the mini-batch loss (see `offbeat.core.train.engine.LossFn`).
+    micro-batch's share of the mini-batch loss (see `offbeat.core.train.engine.LossFn`);
+    the default is `PPOLoss()` with default settings.
     With world size > 1 the caller starts torch.distributed (or sets the env:// variables);
     every rank builds the engine with the same config and calls every method.
     """
+
+    @classmethod
+    def from_job_config(
+        cls, job: Any, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
+    ) -> FSDP2TrainEngine:
+        """The actor engine of a JobConfig, with its PPO loss (see `PPOLossConfig`)."""
+        if loss_fn is None:
+            loss_fn = PPOLoss(PPOLossConfig.from_job_config(job))
+        return cls(FSDP2Config.from_job_config(job), loss_fn=loss_fn, model=model)
 
     def __init__(
         self, config: FSDP2Config, loss_fn: LossFn | None = None, model: nn.Module | None = None
     ) -> None:
         config.validate()
         self.config = config
-        self._loss_fn = loss_fn
-        device_type = _device_type()
-        _ensure_process_group(device_type)
+        self._loss_fn: LossFn = loss_fn if loss_fn is not None else PPOLoss()
+        self._accel: Device = get_device(config.device) if config.device else current_device()
+        self._device = _ensure_process_group(self._accel)
         self._mesh: DeviceMesh = init_device_mesh(
-            device_type, (dist.get_world_size(),), mesh_dim_names=("dp",)
+            self._accel.torch_type, (dist.get_world_size(),), mesh_dim_names=("dp",)
         )
         self._group = self._mesh.get_group()
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if device_type == "cuda"
-            else torch.device("cpu")
-        )
         if model is None:
             model = self._load_model(config)
         if config.gradient_checkpointing:
@@ -230,11 +268,16 @@ class FSDP2TrainEngine:
         micro = _batch.split_rows(batch, self.config.micro_batch_size)
         return micro, self._max_over_ranks(len(micro))
 
-    def compute_log_probs(self, batch: Any, temperature: float = 1.0) -> torch.Tensor:
+    def _temperature(self, temperature: float | None) -> float:
+        t = self.config.temperature if temperature is None else temperature
+        if not t > 0:
+            raise ValueError(f"temperature={t!r}: must be > 0 (the rollout's sampling temperature)")
+        return float(t)
+
+    def compute_log_probs(self, batch: Any, temperature: float | None = None) -> torch.Tensor:
         """Log-probs [B, R] (float32, on CPU) of the response tokens of this rank's batch
-        at `temperature`; 0 where response_mask is 0."""
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature!r}: must be > 0")
+        at `temperature` (None: `config.temperature`); 0 where response_mask is 0."""
+        temperature = self._temperature(temperature)
         data = _batch.as_tensor_dict(batch, self._device)
         micro, rounds = self._micro_batches(data)
         self._model.eval()
@@ -247,68 +290,67 @@ class FSDP2TrainEngine:
         return torch.cat(out, dim=0)
 
     # ---------------------------------------------------------------- update
-    def _global_norm(self, data: dict[str, Any]) -> GlobalNorm:
-        mask = data["response_mask"]
-        t = torch.tensor(
-            [float(mask.sum().item()), float(mask.shape[0])],
-            dtype=torch.float64,
-            device=self._device,
-        )
-        dist.all_reduce(t, group=self._group)
-        return GlobalNorm(num_tokens=float(t[0]), num_seqs=float(t[1]), dp_size=self.dp_size)
+    def update(self, mini_batch: Any, temperature: float | None = None) -> dict[str, float]:
+        """One PPO mini-batch update on this rank's shard: the loss function prepares the
+        whole shard, the normaliser is counted over all micro-batches and ranks, then
+        forward/backward per micro-batch, clip, AdamW step, LR step.
 
-    def update(self, mini_batch: Any, temperature: float = 1.0) -> dict[str, float]:
-        """One PPO mini-batch update on this rank's shard: forward/backward per micro-batch
-        (the loss normalised over the whole mini-batch on all ranks), clip, AdamW step, LR
-        step. Returns metrics reduced over ranks: the loss function's (global means),
-        `actor/loss`, `actor/grad_norm`, `actor/lr` (the LR this step used),
-        `actor/update_count`, `actor/skipped_update` (1 if the grad norm was not finite)."""
-        if self._loss_fn is None:
-            raise ValueError("FSDP2TrainEngine was built without a loss_fn; update needs one")
-        if temperature <= 0:
-            raise ValueError(f"temperature={temperature!r}: must be > 0")
+        Returns metrics identical on every rank, named for `offbeat.core.metrics`: the loss
+        function's (token means over the mini-batch; max/min names reduced as such),
+        `actor/loss` (the mini-batch objective), `actor/grad_norm` (before clipping),
+        `actor/lr` (the LR this step used), `actor/num_skipped_updates` (1 if the grad norm
+        was not finite and the step was skipped), `actor/num_tokens` and `actor/num_seqs`
+        (the normaliser's counts), `actor/max_memory_gb` (this rank's peak)."""
+        temperature = self._temperature(temperature)
         data = _batch.as_tensor_dict(mini_batch, self._device)
-        norm = self._global_norm(data)
+        data, prepared = self._loss_fn.prepare(data)
+        loss_mask = data.get("loss_mask")
+        if loss_mask is None:
+            loss_mask = data["loss_mask"] = data["response_mask"]
+        norm = global_normalizer(
+            loss_mask, horizon=self._loss_fn.horizon, group=self._group, loss_scale=self.dp_size
+        )
         if norm.num_tokens <= 0:
             raise ValueError("update: the mini-batch has no response tokens on any rank")
         micro, rounds = self._micro_batches(data)
-        with_entropy = bool(getattr(self._loss_fn, "needs_entropy", False))
+        with_entropy = bool(self._loss_fn.needs_entropy)
         self._model.train()
         self._optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        metrics = MetricSums()
+        metrics.add(prepared, float(loss_mask.sum()) / norm.num_tokens)
+        objective = 0.0
         for i in range(rounds):
             real = i < len(micro)
             mb = micro[i] if real else micro[-1]
             log_probs, entropy = self._forward(mb, temperature, with_entropy)
-            loss, metrics = self._loss_fn(log_probs, entropy, mb, norm)
+            # The loss is already scaled by loss_scale = dp size: FSDP averages gradients
+            # over ranks, and the sum of the shares is what the mini-batch gradient is.
+            loss, mb_metrics = self._loss_fn(log_probs, entropy, mb, norm)
             if not real:
-                loss = loss * 0.0
-            # FSDP averages gradients over ranks; the loss is already a share of the
-            # global mini-batch loss, so undo the average to get the sum.
-            (loss * norm.dp_size).backward()
+                loss = loss * 0.0  # a short rank keeps FSDP's collectives in step
+            loss.backward()
             if real:
-                sums["actor/loss"] += loss.detach().double().cpu()
-                for k, v in metrics.items():
-                    sums[k] += torch.as_tensor(v).detach().double().cpu()
+                objective += float(loss.detach()) / norm.loss_scale
+                metrics.add(mb_metrics, float(mb["loss_mask"].sum()) / norm.num_tokens)
         grad_norm = self._clip_grad()
         used_lr = self.lr
-        skipped = not torch.isfinite(torch.tensor(grad_norm)).item()
+        skipped = not math.isfinite(grad_norm)
         if skipped:
             self._optimizer.zero_grad(set_to_none=True)
         else:
             self._optimizer.step()
         self._scheduler.step()
         self._updates += 1
-        names = sorted(sums)
-        reduced = torch.stack([sums[k] for k in names]).to(self._device)
-        dist.all_reduce(reduced, group=self._group)
-        result = {k: float(v) for k, v in zip(names, reduced.cpu().tolist(), strict=True)}
+        metrics.add({"actor/loss": objective}, 1.0)
+        result = metrics.reduce(self._group, self._device)
         result.update(
             {
                 "actor/grad_norm": grad_norm,
                 "actor/lr": used_lr,
-                "actor/update_count": float(self._updates),
-                "actor/skipped_update": float(skipped),
+                "actor/num_skipped_updates": float(skipped),
+                "actor/num_tokens": norm.num_tokens,
+                "actor/num_seqs": norm.num_seqs,
+                "actor/max_memory_gb": self._accel.memory_stats().peak_bytes / 1e9,
             }
         )
         return result
