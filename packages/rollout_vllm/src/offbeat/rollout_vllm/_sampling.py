@@ -1,0 +1,71 @@
+"""Turn offbeat's plain sampling dict into vLLM `SamplingParams` for the token-only hot path.
+
+Knows nothing about the engine or the balancer. Keys are vLLM's own `SamplingParams` fields
+(passed straight through, no lowest-common-denominator renaming) plus `max_new_tokens` as
+an alias of `max_tokens`. Three fields are forced because the adapter relies on them:
+`logprobs=0` (vLLM then returns the sampled token's log-probability), `detokenize=False`
+(token ids only) and `output_kind=FINAL_ONLY` (one output per request, no per-token
+Python objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+__all__ = ["FORCED_KEYS", "sampling_keys", "to_sampling_params"]
+
+FORCED_KEYS: frozenset[str] = frozenset({"logprobs", "detokenize", "output_kind"})
+
+
+def sampling_keys() -> frozenset[str]:
+    """Every key `to_sampling_params` accepts."""
+    fields = {f for f in SamplingParams.__struct_fields__ if not f.startswith("_")}
+    return frozenset(fields) | {"max_new_tokens"}
+
+
+def to_sampling_params(params: Mapping[str, Any]) -> SamplingParams:
+    """Validate `params` and build the `SamplingParams` the engine is given.
+
+    Raises ValueError naming the bad key or value; never mutates `params`.
+    """
+    if not isinstance(params, Mapping):
+        raise ValueError(
+            f"sampling_params must be a mapping, got {type(params).__name__}: {params!r}"
+        )
+    kwargs = dict(params)
+    valid = sampling_keys()
+    unknown = sorted(set(kwargs) - valid)
+    if unknown:
+        raise ValueError(
+            f"unknown sampling key(s) {unknown}; valid keys are vLLM SamplingParams fields: "
+            f"{sorted(valid)}"
+        )
+    if "max_new_tokens" in kwargs:
+        alias = kwargs.pop("max_new_tokens")
+        if kwargs.get("max_tokens") not in (None, alias):
+            raise ValueError(
+                f"sampling_params has max_tokens={kwargs['max_tokens']!r} and "
+                f"max_new_tokens={alias!r}; give one of them"
+            )
+        kwargs["max_tokens"] = alias
+    max_tokens = kwargs.get("max_tokens")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise ValueError(f"sampling_params max_tokens={max_tokens!r}: expected an int >= 1")
+    if kwargs.get("n", 1) != 1:
+        raise ValueError(
+            f"sampling_params n={kwargs['n']!r}: the adapter returns one sequence per call; "
+            "send n requests (e.g. one per GRPO sample) instead"
+        )
+    for key in FORCED_KEYS & set(kwargs):
+        kwargs.pop(key)
+    kwargs.update(logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+    try:
+        return SamplingParams(**kwargs)
+    except Exception as e:  # vLLM's VLLMValidationError is not a ValueError
+        raise ValueError(f"invalid sampling_params {dict(params)!r}: {e}") from e

@@ -1,0 +1,86 @@
+"""The Ray shell around `VLLMRolloutServer`: one factory, one proxy.
+
+`vllm_server_actor(config, **ray_options)` starts a replica as an async Ray actor (the
+engine and its worker processes live in the actor's process tree). `RemoteRolloutServer`
+turns the actor handle back into the `RolloutServer` / `SyncTarget` protocols (async
+methods awaiting ObjectRefs, `weight_version` as a property), which is what the
+CheckpointEngineManager expects; the PartialRolloutClient takes either. Knows nothing about
+vLLM itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from offbeat.ckpt_engine.target import ReceiveSpec
+from offbeat.core.rollout.protocol import TokenOutput
+
+__all__ = ["RemoteRolloutServer", "vllm_server_actor"]
+
+
+def vllm_server_actor(config: Any, **ray_options: Any) -> Any:
+    """Start a `VLLMRolloutServer(config)` as a Ray actor; return its handle.
+
+    `ray_options` go to `ray.remote` (e.g. `num_gpus=1`, `name=...`, `scheduling_strategy`);
+    the defaults ask for one CPU and allow many concurrent `generate` calls.
+    """
+    import ray
+
+    from offbeat.rollout_vllm.server import VLLMRolloutServer
+
+    options = {"num_cpus": 1, "max_concurrency": 100_000, **ray_options}
+    return ray.remote(**options)(VLLMRolloutServer).remote(config)
+
+
+class RemoteRolloutServer:
+    """A Ray actor handle of `VLLMRolloutServer` seen as a local `RolloutServer` and
+    `SyncTarget`. `weight_version` is the last version the actor reported."""
+
+    def __init__(self, handle: Any, weight_version: int | None = None) -> None:
+        self.handle = handle
+        self._weight_version = weight_version
+
+    @property
+    def weight_version(self) -> int:
+        if self._weight_version is None:
+            raise RuntimeError(
+                "RemoteRolloutServer.weight_version is unknown until refresh() is awaited"
+            )
+        return self._weight_version
+
+    async def refresh(self) -> int:
+        self._weight_version = await self.handle.get_weight_version.remote()
+        return self._weight_version
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any]
+    ) -> TokenOutput:
+        out = await self.handle.generate.remote(request_id, prompt_ids, dict(sampling_params))
+        self._weight_version = out.weight_version
+        return out
+
+    async def abort_all(self) -> None:
+        await self.handle.abort_all.remote()
+
+    async def resume(self) -> None:
+        await self.handle.resume.remote()
+
+    async def release_kv_cache(self) -> None:
+        await self.handle.release_kv_cache.remote()
+
+    async def resume_kv_cache(self) -> None:
+        await self.handle.resume_kv_cache.remote()
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.handle.sleep.remote(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.handle.wake_up.remote(tags)
+
+    async def update_weights(self, spec: ReceiveSpec) -> int:
+        self._weight_version = await self.handle.update_weights.remote(spec)
+        return self._weight_version
+
+    async def status(self) -> dict[str, Any]:
+        return await self.handle.status.remote()

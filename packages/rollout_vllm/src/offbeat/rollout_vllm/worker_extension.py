@@ -1,0 +1,84 @@
+"""The piece of offbeat that runs inside vLLM's worker process: receiving weights.
+
+vLLM mixes this class into its Worker when the engine is started with
+`worker_extension_cls="offbeat.rollout_vllm.worker_extension.WeightSyncExtension"`;
+`AsyncLLM.collective_rpc("offbeat_receive_weights", args=(spec, version))` then runs the
+method in every worker. It knows nothing about how the bytes travel (the checkpoint
+engine's `receive` does) nor about request scheduling (the server pauses first).
+
+Why layerwise reload: on some platforms vLLM repacks weights after loading (on CPU each
+linear layer's weight is packed for oneDNN and the plain tensor freed), so calling
+`model.load_weights` on a loaded model would not reach the kernels. vLLM's layerwise
+reload restores the checkpoint-format parameters, buffers what `load_weights` is given, and
+re-runs each layer's post-load processing as soon as all of its weights have arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+__all__ = ["WeightSyncExtension"]
+
+logger = logging.getLogger(__name__)
+
+
+def _layerwise_reload():
+    try:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+    except ImportError:  # older vLLM: load_weights into the live parameters
+        return None
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+class WeightSyncExtension:
+    """Worker mixin; `self` is vLLM's Worker (it has `model_runner` and `vllm_config`)."""
+
+    model_runner: Any
+    vllm_config: Any
+
+    def offbeat_receive_weights(self, spec: Any, current_version: int) -> int:
+        """Run the checkpoint engine's receiver for `spec` (a `ReceiveSpec` or its fields
+        as a dict, which is how vLLM's RPC delivers it), loading every (name, tensor)
+        through the model's own `load_weights`; return the version now held."""
+        from vllm.config import set_current_vllm_config
+
+        from offbeat.ckpt_engine import ReceiveSpec, receive
+
+        if isinstance(spec, dict):
+            spec = ReceiveSpec(**spec)
+
+        model = self.model_runner.get_model()
+        reload = _layerwise_reload()
+        with set_current_vllm_config(self.vllm_config):
+            if reload is None:
+                return receive(
+                    spec, load_weights=model.load_weights, current_version=current_version
+                )
+            initialize, finalize = reload
+
+            def load_weights(named_tensors):
+                # Layerwise reload keeps a reference to each tensor until its layer is
+                # complete, which may be a later bucket; the receiver's tensors are only
+                # valid during this call (their buffer is refilled), so hand over copies.
+                return model.load_weights((n, t.clone()) for n, t in named_tensors)
+
+            initialize(model)
+            try:
+                version = receive(spec, load_weights=load_weights, current_version=current_version)
+            finally:
+                # Also on failure: put every layer back into a runnable state (the server
+                # then marks itself broken and serves nothing until a sync succeeds).
+                finalize(model, self.vllm_config.model_config)
+        return version
+
+    def offbeat_weight_checksum(self) -> float:
+        """Sum of all parameters as float64: a cheap fingerprint for tests and debugging."""
+        import torch
+
+        model = self.model_runner.get_model()
+        with torch.no_grad():
+            return float(sum(p.double().sum().item() for p in model.parameters()))

@@ -1,0 +1,99 @@
+"""Abort mid-generation from another task, then resume: through the server alone and
+through client + balancer with a weight sync in between."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from offbeat.balancer.aio import AsyncLoadBalancer
+from offbeat.ckpt_engine import CheckpointEngineManager
+from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
+
+BUDGET = 200  # longest prompt (48 tokens) + 200 < max_model_len (256)
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+async def wait_until_running(server, n: int) -> None:
+    """Until `n` requests are inside the engine, then a little longer so they decode."""
+    for _ in range(2000):
+        if server.engine.get_num_unfinished_requests() >= n:
+            break
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.1)
+
+
+async def uninterrupted(server, prompt_ids, tag):
+    outs = await asyncio.gather(
+        *(
+            server.generate(f"{tag}-{i}", p, {"max_tokens": BUDGET, **GREEDY})
+            for i, p in enumerate(prompt_ids)
+        )
+    )
+    return [o.token_ids for o in outs]
+
+
+async def test_abort_all_returns_partial_outputs_and_pauses(server, prompt_ids):
+    tasks = [
+        asyncio.create_task(server.generate(f"ab-{i}", p, {"max_tokens": BUDGET, **GREEDY}))
+        for i, p in enumerate(prompt_ids)
+    ]
+    await wait_until_running(server, len(tasks))
+    await server.abort_all()
+    # abort_all returns only after every interrupted call has returned.
+    assert all(t.done() for t in tasks)
+    outs = [t.result() for t in tasks]
+    assert all(o.stop_reason == "aborted" for o in outs)
+    assert any(o.token_ids for o in outs)
+    for o in outs:
+        assert len(o.token_ids) == len(o.logprobs) < BUDGET
+
+    # Paused: a new call waits at the gate until resume().
+    waiting = asyncio.create_task(server.generate("late", prompt_ids[0], {"max_tokens": 3}))
+    await asyncio.sleep(0.2)
+    assert server.is_paused and not waiting.done()
+    await server.resume()
+    assert len((await asyncio.wait_for(waiting, 60)).token_ids) == 3
+
+    # The partial outputs are prefixes of the uninterrupted greedy outputs.
+    full = await uninterrupted(server, prompt_ids, "ab-ref")
+    for o, ref in zip(outs, full, strict=True):
+        assert o.token_ids == ref[: len(o.token_ids)]
+
+
+async def test_client_resumes_across_a_weight_sync(
+    server, tiny_model, prompt_ids, load_named_tensors
+):
+    """A sync (abort -> transfer -> resume) lands mid-generation. The same weights are
+    synced, so the resumed greedy outputs must equal uninterrupted ones exactly: a lost or
+    duplicated token would shift everything after it."""
+    reference = await uninterrupted(server, prompt_ids, "ref")
+    client = PartialRolloutClient(
+        AsyncLoadBalancer({server.server_id: server}), PartialRolloutConfig(max_tokens=BUDGET)
+    )
+    v0 = server.weight_version
+    tasks = [
+        asyncio.create_task(client.generate(f"resume-{i}", p, GREEDY))
+        for i, p in enumerate(prompt_ids)
+    ]
+    await wait_until_running(server, len(tasks))
+    manager = CheckpointEngineManager("shm", phase_timeout_s=120)
+    try:
+        result = await manager.sync(load_named_tensors(tiny_model), v0 + 1, {"vllm": server})
+    finally:
+        manager.close()
+    assert result.ok, result.failed
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+    interrupted = [o for o in outs if o.extra["num_attempts"] > 1]
+    assert interrupted, "the sync landed after every request had finished"
+    for out, ref in zip(outs, reference, strict=True):
+        assert len(out.token_ids) == BUDGET == len(out.logprobs)
+        assert out.stop_reason == "length"
+        assert out.token_ids == ref
+        assert out.max_weight_version == out.weight_version == v0 + 1
+    for out in interrupted:
+        assert out.min_weight_version == v0 < out.max_weight_version
