@@ -76,6 +76,7 @@ def make_engine(
     defaults = {"lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1.0}
     config = FSDP2Config(
         model_path=str(model_dir),
+        device="cpu",
         micro_batch_size=micro_batch_size,
         optim=OptimConfig(**{**defaults, **optim}),
     )
@@ -241,7 +242,7 @@ def test_export_yields_each_hf_parameter_once_one_at_a_time(tmp_path, monkeypatc
 
 
 def test_export_dtype_casts(model_dir):
-    config = FSDP2Config(model_path=str(model_dir), export_dtype="bfloat16")
+    config = FSDP2Config(model_path=str(model_dir), device="cpu", export_dtype="bfloat16")
     engine = FSDP2TrainEngine(config)
     name, tensor = next(iter(engine.export_weights()))
     assert tensor.dtype == torch.bfloat16 and name == "model.embed_tokens.weight"
@@ -284,7 +285,7 @@ def test_load_of_incomplete_checkpoint_fails_clearly(model_dir, tmp_path):
 
 
 def test_registry_builds_fsdp2_and_names_choices(model_dir):
-    engine = build_train_engine("fsdp2", FSDP2Config(model_path=str(model_dir)))
+    engine = build_train_engine("fsdp2", FSDP2Config(model_path=str(model_dir), device="cpu"))
     assert isinstance(engine, FSDP2TrainEngine) and engine.dp_size == 1
     with pytest.raises((KeyError, ValueError), match="fsdp2"):
         build_train_engine("nope", FSDP2Config(model_path=str(model_dir)))
@@ -350,6 +351,44 @@ def test_two_gloo_processes_match_one_process(model_dir, tmp_path):
     assert engine.global_update_count == 1
     for name, tensor in engine.export_weights():
         torch.testing.assert_close(tensor, got["update"][0][name], atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_engine_trains_exports_and_restores(model_dir, tmp_path):
+    """On CUDA (nccl): bf16 compute over float32 master weights, log-probs close to the
+    float32 reference, a falling loss, bf16 export, exact save/load."""
+
+    def engine():
+        config = FSDP2Config(
+            model_path=str(model_dir), device="cuda", param_dtype="bfloat16",
+            export_dtype="bfloat16", micro_batch_size=3, optim=OptimConfig(lr=3e-3),
+        )  # fmt: skip
+        return FSDP2TrainEngine(config)
+
+    if dist.is_initialized():  # a CPU-only group from the tests above cannot run nccl
+        dist.destroy_process_group()
+    a = engine()
+    assert "nccl" in dist.get_backend()
+    batch = make_batch(8, seed=5)
+    reference = make_engine(model_dir)  # float32 on CPU
+    want = reference.compute_log_probs(batch)
+    got = a.compute_log_probs(batch)
+    assert got.device.type == "cpu" and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    data = with_old_log_probs(a, batch)
+    losses = [a.update(data)["actor/loss"] for _ in range(3)]
+    assert losses[-1] < losses[0], losses
+    exported = dict(a.export_weights())
+    assert all(t.dtype == torch.bfloat16 and t.is_cuda for t in exported.values())
+    a.save(str(tmp_path / "ckpt"))
+    b = engine()
+    b.load(str(tmp_path / "ckpt"))
+    assert b.global_update_count == 3 and b.lr == a.lr
+    next_a, next_b = a.update(data), b.update(data)
+    assert next_a["actor/loss"] == next_b["actor/loss"]
+    for (name, x), (_, y) in zip(a.export_weights(), b.export_weights(), strict=True):
+        torch.testing.assert_close(x, y, atol=0, rtol=0, msg=name)
 
 
 if __name__ == "__main__":

@@ -109,10 +109,17 @@ def _ensure_process_group(device: Device) -> torch.device:
             module.set_device(int(os.environ["LOCAL_RANK"]))
         local = device.torch_device(module.current_device())
     if not dist.is_initialized():
+        # Accelerator collectives on the device backend, CPU ones (metrics, object
+        # gathers) on gloo.
+        backend = (
+            device.backend
+            if device.torch_type == "cpu"
+            else f"cpu:gloo,{device.torch_type}:{device.backend}"
+        )
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(device.backend)
+            dist.init_process_group(backend)
         else:
-            dist.init_process_group(device.backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return local
 
 
