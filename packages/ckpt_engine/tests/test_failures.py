@@ -207,10 +207,12 @@ def test_no_shared_files_left_behind(model):
     if shm_dir is None:
         pytest.skip("no /dev/shm on this system")
     before = {f for f in os.listdir(shm_dir) if f.startswith("offbeat-ckpt-")}
-    sender = get_backend("shm")().open_sender(
+    backend = get_backend("shm")()
+    sender = backend.open_sender(
         version=1, num_receivers=1, bucket_bytes=BUCKET, checksum=False, timeout_s=0.5
     )
     report = sender.send(model.items())  # nobody connects
     assert report.failed == {0: "receiver 0 did not connect within 0.5s"}
+    backend.close()
     after = {f for f in os.listdir(shm_dir) if f.startswith("offbeat-ckpt-")}
     assert after <= before

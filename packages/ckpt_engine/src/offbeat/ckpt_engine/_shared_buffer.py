@@ -10,17 +10,20 @@ copies finished.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import pickle
 import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from offbeat.ckpt_engine._wire import Conn, Listener, connect
-from offbeat.ckpt_engine.bucket import Entry, Reassembler, checksum, pack, plan_buckets
+from offbeat.ckpt_engine.bucket import Entry, Reassembler, checksum, combine, pack, plan_buckets
 from offbeat.ckpt_engine.errors import ChecksumError, PeerError, StaleVersionError
 from offbeat.ckpt_engine.registry import NamedTensors, Sender, SendReport
 from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec
@@ -38,8 +41,16 @@ class BufferPair(ABC):
     def fence(self) -> None:  # noqa: B027
         """Make the bytes just packed visible to other processes."""
 
+    def share(self, piece: torch.Tensor) -> tuple[Any, Callable[[], Any], int] | None:
+        """Optionally let receivers read `piece` where it lies instead of packing it:
+        (storage key, a function giving the storage's picklable descriptor, byte offset)."""
+        return None
+
     def attached(self) -> None:  # noqa: B027
         """Every receiver has attached (names may be unlinked now)."""
+
+    def release(self) -> None:  # noqa: B027
+        """The sync that used the buffers is over (they may be kept for the next one)."""
 
     def close(self) -> None:  # noqa: B027
         """Free the buffers."""
@@ -67,6 +78,8 @@ class SharedBufferSender(Sender):
         self._failed: dict[int, str] = {}
         self._lock = threading.Lock()
         self._aborted: str | None = None
+        self._storage_ids: dict[Any, int] = {}
+        self._held: list[list[torch.Tensor] | None] = [None, None]
 
     def spec(self, rank: int) -> ReceiveSpec:
         channel = {
@@ -153,6 +166,22 @@ class SharedBufferSender(Sender):
                     rank, f"receiver {rank} broke the protocol: expected {kind} {index}, got {msg}"
                 )
 
+    def _share(self, bucket) -> tuple[dict[int, list[int]], dict[str, str]]:
+        """Entries receivers read in place: index -> [storage id, byte offset]; plus the
+        descriptors of storages not yet announced in this sync."""
+        ext: dict[int, list[int]] = {}
+        new: dict[str, str] = {}
+        for i, (e, src) in enumerate(zip(bucket.entries, bucket.sources, strict=True)):
+            shared = self._pair.share(src) if e.nbytes else None
+            if shared is None:
+                continue
+            key, describe, offset = shared
+            if key not in self._storage_ids:
+                sid = self._storage_ids[key] = len(self._storage_ids)
+                new[str(sid)] = base64.b64encode(pickle.dumps(describe())).decode()
+            ext[i] = [self._storage_ids[key], offset]
+        return ext, new
+
     def _publish(self, msg: dict[str, Any]) -> None:
         for rank, conn in self._live():
             try:
@@ -171,7 +200,8 @@ class SharedBufferSender(Sender):
                 slot = bucket.index % 2
                 if bucket.index >= 2:
                     self._wait_acks(bucket.index - 2)
-                view = pack(bucket, self._pair.buffers[slot])
+                ext, storages = self._share(bucket)
+                view = pack(bucket, self._pair.buffers[slot], skip=ext)
                 self._pair.fence()
                 msg = {
                     "type": "bucket",
@@ -179,8 +209,19 @@ class SharedBufferSender(Sender):
                     "slot": slot,
                     "filled": bucket.filled,
                     "entries": [e.to_json() for e in bucket.entries],
-                    "checksum": checksum(view) if self._checksum else None,
+                    "checksum": None,
                 }
+                if ext:
+                    msg["ext"] = {str(i): v for i, v in ext.items()}
+                    msg["storages"] = storages
+                    # Pieces read in place must stay alive until this bucket is acked.
+                    self._held[slot] = [bucket.sources[i] for i in ext]
+                else:
+                    self._held[slot] = None
+                if self._checksum:
+                    msg["checksum"] = combine(
+                        checksum(view), *(checksum(bucket.sources[i]) for i in ext)
+                    )
                 del bucket, view
                 self._publish(msg)
                 report.buckets += 1
@@ -195,7 +236,8 @@ class SharedBufferSender(Sender):
         finally:
             for _rank, conn in self._live():
                 conn.close()
-            self._pair.close()
+            self._held = [None, None]
+            self._pair.release()
             self._listener.close()
         if self._aborted is not None:
             for rank in range(self._n):
@@ -216,6 +258,7 @@ def receive_shared(
     current_version: int | None,
     attach,
     fence=lambda: None,
+    open_storage=None,
 ) -> int:
     """The receiver's loop: attach the buffers, then load and ack bucket after bucket."""
     ch = spec.channel
@@ -234,6 +277,7 @@ def receive_shared(
             raise stale
         conn.send(hello)
         reasm = Reassembler()
+        storages: dict[int, torch.Tensor] = {}
         expected = 0
         while True:
             # Before the first bucket the sender may spend a whole timeout waiting for
@@ -253,16 +297,26 @@ def receive_shared(
             if kind != "bucket" or msg["index"] != expected:
                 raise PeerError(f"expected bucket {expected}, got {msg}")
             view = buffers[msg["slot"]][: msg["filled"]]
+            for sid, blob in msg.get("storages", {}).items():
+                if open_storage is None:
+                    raise PeerError(
+                        "the sender shared storages in place; this backend cannot open them"
+                    )
+                storages[int(sid)] = open_storage(pickle.loads(base64.b64decode(blob)))
+            ext = {
+                int(i): storages[sid][off : off + msg["entries"][int(i)][4]]
+                for i, (sid, off) in msg.get("ext", {}).items()
+            }
             if spec.checksum:
-                got = checksum(view)
+                got = combine(checksum(view), *(checksum(ext[i]) for i in sorted(ext)))
                 if got != msg["checksum"]:
                     err = ChecksumError(msg["index"], msg["checksum"], got)
                     conn.send({"type": "error", "reason": str(err)})
                     raise err
-            tensors = reasm.take([Entry.from_json(e) for e in msg["entries"]], view)
+            tensors = reasm.take([Entry.from_json(e) for e in msg["entries"]], view, ext)
             if tensors:
                 load_weights(tensors)
-            del tensors, view
+            del tensors, view, ext
             fence()  # copies out of the buffer are complete before the buffer is given back
             conn.send({"type": "ack", "index": expected})
             expected += 1

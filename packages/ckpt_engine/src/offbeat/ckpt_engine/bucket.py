@@ -9,7 +9,7 @@ pieces, copies them into a flat uint8 buffer, and turns a received buffer back i
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ __all__ = [
     "Reassembler",
     "as_bytes",
     "checksum",
+    "combine",
     "dtype_from_str",
     "pack",
     "plan_buckets",
@@ -146,12 +147,21 @@ def plan_buckets(
         yield flush()
 
 
-def pack(bucket: Bucket, buffer: torch.Tensor) -> torch.Tensor:
-    """Copy a bucket's pieces into `buffer`; return the view of its exact filled length."""
-    for e, src in zip(bucket.entries, bucket.sources, strict=True):
-        if e.nbytes:
+def pack(bucket: Bucket, buffer: torch.Tensor, skip: Container[int] = ()) -> torch.Tensor:
+    """Copy a bucket's pieces (but those whose index is in `skip`, which travel another
+    way) into `buffer`; return the view of its exact filled length."""
+    for i, (e, src) in enumerate(zip(bucket.entries, bucket.sources, strict=True)):
+        if e.nbytes and i not in skip:
             buffer[e.offset : e.offset + e.nbytes].copy_(src, non_blocking=True)
     return buffer[: bucket.filled]
+
+
+def combine(*checksums: int) -> int:
+    """One checksum from several, order-sensitive."""
+    c = 0
+    for x in checksums:
+        c = (c * 1000003 ^ x) & 0xFFFFFFFFFFFFFFFF
+    return c
 
 
 def checksum(view: torch.Tensor) -> int:
@@ -182,12 +192,19 @@ class Reassembler:
         self._pending: dict[str, torch.Tensor] = {}
         self._filled: dict[str, int] = {}
 
-    def take(self, entries: list[Entry], view: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def take(
+        self,
+        entries: list[Entry],
+        view: torch.Tensor,
+        ext: Mapping[int, torch.Tensor] | None = None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Tensors completed by this bucket. Entry `i` reads from `ext[i]` when given (a
+        piece shared in place by the sender), else from `view` at its offset."""
         out: list[tuple[str, torch.Tensor]] = []
-        for e in entries:
+        for i, e in enumerate(entries):
             dtype = dtype_from_str(e.dtype)
+            piece = ext[i] if ext and i in ext else view[e.offset : e.offset + e.nbytes]
             if e.whole:
-                piece = view[e.offset : e.offset + e.nbytes]
                 out.append(
                     (
                         e.name,
@@ -203,7 +220,7 @@ class Reassembler:
                     e.total, dtype=torch.uint8, device=view.device
                 )
                 self._filled[e.name] = 0
-            buf[e.start : e.start + e.nbytes].copy_(view[e.offset : e.offset + e.nbytes])
+            buf[e.start : e.start + e.nbytes].copy_(piece)
             self._filled[e.name] += e.nbytes
             if self._filled[e.name] == e.total:
                 del self._pending[e.name], self._filled[e.name]

@@ -1,14 +1,18 @@
-"""`cuda_ipc`: two GPU bucket buffers shared with receivers on the same GPU or node by CUDA
-IPC handles; receivers hand `load_weights` zero-copy views of them.
+"""`cuda_ipc`: GPU buckets shared with receivers on the same GPU or node by CUDA IPC
+handles; receivers hand `load_weights` zero-copy views.
 
-The handles are opened once per sync (two buffers, not one per tensor: opening handles is
-what costs). Knows nothing about which process owns which GPU beyond the device UUID: a
-receiver maps the sender's device to its own index by UUID, so differing
-CUDA_VISIBLE_DEVICES on the two sides do not matter.
+Two bucket buffers are allocated once and kept across syncs, and receivers keep what they
+opened, so steady-state syncs open no handle (opening handles is what costs). A piece whose
+storage is large (at least `zero_copy_min_bytes`, e.g. a flat parameter buffer) is not
+packed at all: receivers read it in place, which saves one device copy per byte. Knows
+nothing about which process owns which GPU beyond the device UUID: a receiver maps the
+sender's device to its own index, so differing CUDA_VISIBLE_DEVICES do not matter.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,22 +29,41 @@ def _uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-class _CudaPair(BufferPair):
-    def __init__(self, bucket_bytes: int, device: torch.device) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
+def _describe(t: torch.Tensor) -> tuple:
+    from torch.multiprocessing.reductions import reduce_tensor
 
-        self.device = device
+    return tuple(reduce_tensor(t)[1])
+
+
+class _CudaPair(BufferPair):
+    def __init__(
+        self, bucket_bytes: int, device: torch.device, zero_copy_min_bytes: int | None
+    ) -> None:
+        self.device, self.size = device, bucket_bytes
+        self.zero_copy_min_bytes = zero_copy_min_bytes
         self.buffers = [
             torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
-        # Keep the IPC descriptors alive with the buffers; the tuple layout is torch's.
-        self._handles = [reduce_tensor(b)[1] for b in self.buffers]
+        self._handles = [_describe(b) for b in self.buffers]
 
     def describe(self) -> dict[str, Any]:
         return {"ipc": list(self._handles), "device_uuid": _uuid(self.device.index)}
 
     def fence(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
+
+    def share(self, piece: torch.Tensor) -> tuple[Any, Callable[[], Any], int] | None:
+        if self.zero_copy_min_bytes is None or piece.device != self.device:
+            return None
+        storage = piece.untyped_storage()
+        if storage.nbytes() < self.zero_copy_min_bytes:
+            return None
+
+        def describe() -> tuple:
+            whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            return _describe(whole)
+
+        return storage.data_ptr(), describe, piece.data_ptr() - storage.data_ptr()
 
     def close(self) -> None:
         self.buffers = []
@@ -56,25 +79,48 @@ def _local_index(uuid: str) -> int:
     )
 
 
-def _attach(channel: dict[str, Any]) -> list[torch.Tensor]:
+# Receiver side: what this process opened, kept while the sender keeps offering it.
+_OPENED: dict[tuple, torch.Tensor] = {}
+_OPENED_LOCK = threading.Lock()
+
+
+def _open(args: tuple, index: int) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, size_bytes,
+    #  offset_bytes, ...): the same handle and range are the same memory.
+    key = (bytes(args[7]), args[8], args[9], tuple(args[1]), args[3])
+    with _OPENED_LOCK:
+        t = _OPENED.get(key)
+    if t is None:
+        args = list(args)
+        args[6] = index  # storage_device, as seen from this process
+        t = rebuild_cuda_tensor(*args)
+        with _OPENED_LOCK:
+            _OPENED[key] = t
+    return t
+
+
+def _attach(channel: dict[str, Any]) -> tuple[list[torch.Tensor], int]:
     if not torch.cuda.is_available():
         raise PeerError("cuda_ipc receiver: CUDA is not available in this process")
     index = _local_index(channel["device_uuid"])
-    out = []
-    for args in channel["ipc"]:
-        args = list(args)
-        args[6] = index  # storage_device, as seen from this process
-        out.append(rebuild_cuda_tensor(*args))
-    return out
+    return [_open(tuple(a), index) for a in channel["ipc"]], index
 
 
 class CudaIpcBackend(Backend):
-    """Options: `device` (default: the current CUDA device) holds the sender's buffers."""
+    """Options: `device` (default: the current CUDA device) holds the sender's buffers;
+    `zero_copy_min_bytes` (default 128 MiB; None turns it off): pieces of storages at least
+    this large are read in place by receivers instead of being packed."""
 
-    def __init__(self, device: str | int | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        device: str | int | torch.device | None = None,
+        zero_copy_min_bytes: int | None = 128 << 20,
+    ) -> None:
         self._device = device
+        self._zero_copy = zero_copy_min_bytes
+        self._pair: _CudaPair | None = None
 
     def open_sender(
         self,
@@ -97,9 +143,11 @@ class CudaIpcBackend(Backend):
         )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if self._pair is None or self._pair.size != bucket_bytes or self._pair.device != device:
+            self._pair = _CudaPair(bucket_bytes, device, self._zero_copy)
         return SharedBufferSender(
             self.name,
-            _CudaPair(bucket_bytes, device),
+            self._pair,
             version=version,
             num_receivers=num_receivers,
             bucket_bytes=bucket_bytes,
@@ -107,22 +155,36 @@ class CudaIpcBackend(Backend):
             timeout_s=timeout_s,
         )
 
+    def close(self) -> None:
+        self._pair = None
+
     @classmethod
     def receive(
         cls, spec: ReceiveSpec, load_weights: LoadWeightsFn, current_version: int | None
     ) -> int:
         device: list[int] = []
+        used: set[tuple] = set()
 
         def attach(channel: dict[str, Any]) -> list[torch.Tensor]:
-            buffers = _attach(channel)
-            device.append(buffers[0].device.index)
+            buffers, index = _attach(channel)
+            device.append(index)
+            used.update((bytes(a[7]), a[8], a[9], tuple(a[1]), a[3]) for a in channel["ipc"])
             return buffers
+
+        def open_storage(args: tuple) -> torch.Tensor:
+            used.add((bytes(args[7]), args[8], args[9], tuple(args[1]), args[3]))
+            return _open(args, device[0])
 
         def fence() -> None:
             # load_weights may have queued its copies on any stream of the buffers' device.
             torch.cuda.synchronize(device[0])
 
-        return receive_shared(spec, load_weights, current_version, attach, fence)
+        try:
+            return receive_shared(spec, load_weights, current_version, attach, fence, open_storage)
+        finally:
+            with _OPENED_LOCK:  # forget what this sync no longer offered
+                for key in [k for k in _OPENED if k not in used]:
+                    del _OPENED[key]
 
 
 register_backend("cuda_ipc", CudaIpcBackend)

@@ -120,6 +120,9 @@ def _load_builtins() -> None:
             importlib.import_module(module)  # registers itself
         except Exception as e:  # an optional dependency may be missing
             _FAILED[name] = f"{type(e).__name__}: {e}"
+            continue
+        if name not in _REGISTRY:
+            _FAILED[name] = f"module {module} imported but registered no backend {name!r}"
 
 
 def backends() -> list[str]:
