@@ -1,6 +1,7 @@
 """Training backends: the TrainEngine contract and its registry, the FSDP2 engine, the PPO
 loss it optimises, and the optimizer / LR schedule."""
 
+from offbeat.core.train.actor import make_train_engine_actor
 from offbeat.core.train.engine import (
     TRAIN_ENGINES,
     LossFn,
@@ -37,5 +38,6 @@ __all__ = [  # contract + registry, the FSDP2 engine, its loss, optimizer and LR
     "build_train_engine",
     "hf_name",
     "lr_factor",
+    "make_train_engine_actor",
     "register_train_engine",
 ]
