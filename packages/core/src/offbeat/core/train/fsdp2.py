@@ -9,6 +9,7 @@ weights out one parameter at a time, and saves/loads its sharded state with DCP.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Iterator
@@ -81,7 +82,9 @@ class FSDP2Config:
             model_path=job.model.path,
             device=job.resources.device,
             micro_batch_size=a.ppo_micro_batch_size_per_device,
-            temperature=job.rollout.temperature,
+            # Greedy rollout (temperature 0) has no sampling distribution to match: score
+            # at temperature 1 then.
+            temperature=job.rollout.temperature if job.rollout.temperature > 0 else 1.0,
             param_dtype=job.model.dtype,
             export_dtype=job.model.dtype,
             gradient_checkpointing=a.gradient_checkpointing,
@@ -193,7 +196,8 @@ class FSDP2TrainEngine:
         self._optimizer = build_optimizer(self._model.parameters(), config.optim)
         self._scheduler = build_lr_scheduler(self._optimizer, config.optim)
         self._updates = 0
-        self._takes_logits_to_keep = "logits_to_keep" in type(model).forward.__code__.co_varnames
+        # HF causal LMs can skip the LM head on the prompt positions.
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # ---------------------------------------------------------------- construction
     @staticmethod
@@ -242,6 +246,12 @@ class FSDP2TrainEngine:
     def dp_size(self) -> int:
         return dist.get_world_size(self._group)
 
+    def _bind_device(self) -> None:
+        """Make this rank's accelerator current in the calling thread: a trainer may call
+        the engine from worker threads (asyncio.to_thread), whose current device is 0."""
+        if self._device.type != "cpu":
+            torch.get_device_module(self._device.type).set_device(self._device)
+
     # ---------------------------------------------------------------- forward
     def _forward(
         self, mb: dict[str, Any], temperature: float, with_entropy: bool
@@ -285,6 +295,7 @@ class FSDP2TrainEngine:
         """Log-probs [B, R] (float32, on CPU) of the response tokens of this rank's batch
         at `temperature` (None: `config.temperature`); 0 where response_mask is 0."""
         temperature = self._temperature(temperature)
+        self._bind_device()
         data = _batch.as_tensor_dict(batch, self._device)
         micro, rounds = self._micro_batches(data)
         self._model.eval()
@@ -309,6 +320,7 @@ class FSDP2TrainEngine:
         was not finite and the step was skipped), `actor/num_tokens` and `actor/num_seqs`
         (the normaliser's counts), `actor/max_memory_gb` (this rank's peak)."""
         temperature = self._temperature(temperature)
+        self._bind_device()
         data = _batch.as_tensor_dict(mini_batch, self._device)
         data, prepared = self._loss_fn.prepare(data)
         loss_mask = data.get("loss_mask")
@@ -380,12 +392,14 @@ class FSDP2TrainEngine:
         drops its reference before gathering the next. All ranks must iterate to the end."""
         dtype = _DTYPES[self.config.export_dtype] if self.config.export_dtype else None
         for name, param in self._model.named_parameters():
+            self._bind_device()
             tensor = _full(param, dtype)
             yield hf_name(name), tensor
             del tensor
 
     # ---------------------------------------------------------------- checkpoint
     def save(self, path: str) -> None:
+        self._bind_device()
         _checkpoint.save(
             path,
             self._model,
@@ -395,6 +409,7 @@ class FSDP2TrainEngine:
         )
 
     def load(self, path: str) -> None:
+        self._bind_device()
         extra = _checkpoint.load(path, self._model, self._optimizer, self._group)
         self._scheduler.load_state_dict(extra["lr_scheduler"])
         self._updates = int(extra["global_update_count"])
