@@ -277,6 +277,28 @@ def test_save_load_restores_model_optimizer_and_schedule(model_dir, tmp_path):
     assert c.global_update_count == 3
 
 
+def test_save_before_any_update_changes_nothing(model_dir, tmp_path):
+    """A checkpoint of an engine that never stepped: saving leaves its next update as it
+    was, and a fresh engine that loads it makes the same update."""
+    batch = make_batch(4, seed=30)
+    never_saved = make_engine(model_dir)
+    want = never_saved.update(with_old_log_probs(never_saved, batch))
+    saved = make_engine(model_dir)
+    saved.save(str(tmp_path / "ckpt"))
+    loaded = make_engine(model_dir)
+    loaded.load(str(tmp_path / "ckpt"))
+    for engine in (saved, loaded):
+        got = engine.update(with_old_log_probs(engine, batch))
+        assert got["actor/loss"] == want["actor/loss"]
+        assert got["actor/grad_norm"] == want["actor/grad_norm"]
+        for (name, x), (_, y) in zip(
+            engine.export_weights(), never_saved.export_weights(), strict=True
+        ):
+            torch.testing.assert_close(x, y, atol=0, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="saved before any update"):
+        saved.load(str(tmp_path / "ckpt"))
+
+
 def test_load_of_incomplete_checkpoint_fails_clearly(model_dir, tmp_path):
     engine = make_engine(model_dir)
     (tmp_path / "half").mkdir()

@@ -17,9 +17,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 EXTRA_FILE = "engine_state.pt"
+_HAS_OPTIM = "has_optimizer_state"
 
 
 def _fsync_dir(path: str) -> None:
@@ -46,13 +52,20 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier(group=group)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=group)
+    # An optimizer that never stepped has no state; asking DCP for its state dict would
+    # create it with a zero step (and so change the next update): save the model alone.
+    has_optim = bool(optimizer.state)
+    if has_optim:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=tmp, process_group=group)
     dist.barrier(group=group)
     if rank == 0:
         extra_path = os.path.join(tmp, EXTRA_FILE)
         with open(extra_path, "wb") as f:
-            torch.save(extra, f)
+            torch.save({**extra, _HAS_OPTIM: has_optim}, f)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
@@ -84,11 +97,22 @@ def load(
         raise FileNotFoundError(
             f"no complete train-engine checkpoint at {path!r} (missing {EXTRA_FILE})"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path, process_group=group)
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
     with open(os.path.join(path, EXTRA_FILE), "rb") as f:
-        return torch.load(f, weights_only=True)
+        extra = torch.load(f, weights_only=True)
+    if extra.pop(_HAS_OPTIM, True):
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path, process_group=group)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+    else:
+        if optimizer.state:
+            raise ValueError(
+                f"checkpoint {path!r} was saved before any update (no optimizer state) but "
+                "this engine has already updated: load it into a fresh engine"
+            )
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path, process_group=group)
+        set_model_state_dict(model, state["model"])
+    return extra
