@@ -218,8 +218,57 @@ def base_sampling(cfg: JobConfig) -> dict[str, Any]:
 
 
 # ---- the run -----------------------------------------------------------------------------
-async def run_job(cfg: RunConfig) -> dict[str, Any]:
-    """Run `cfg` (already validated) to the end; return the trainer's summary plus paths."""
+@dataclass
+class Prepared:
+    """A config whose model path and dataset files are resolved to local files."""
+
+    cfg: RunConfig
+    model_dir: Path
+    train_files: list[str]
+    val_files: list[str]
+    setup_s: float
+
+
+def prepare(cfg: RunConfig) -> Prepared:
+    """Seeds, threads, the synthetic dataset and the (tiny, warm-started) model."""
+    from offbeat.core.tasks import read_parquet
+    from offbeat.core.trainer.warm_start import warm_start
+
+    t0 = time.perf_counter()
+    seed = cfg.trainer.seed
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(cfg.runtime.trainer_threads)
+    cache_dir = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    train_files, val_files = resolve_data(cfg, cache_dir / "tasks")
+    model_dir = resolve_model(cfg.model.path, cache_dir / "models")
+    if cfg.warm_start.steps > 0:
+        rows = [r for f in train_files for r in read_parquet(f)]
+        model_dir = warm_start(
+            model_dir, rows, cfg.warm_start, cache_dir=cache_dir / "warm_start",
+            prompt_key=cfg.data.prompt_key,
+        )  # fmt: skip
+    job = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
+    return Prepared(job, model_dir, train_files, val_files, time.perf_counter() - t0)
+
+
+def start_replicas(p: Prepared) -> dict[str, Any]:
+    """Start every rollout replica (not awaited: they come up while the trainer builds)."""
+    cfg = p.cfg
+    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
+    n = cfg.resources.rollout_devices // cfg.rollout.tensor_parallel_size
+    return {f"rollout-{i}": factory(cfg, str(p.model_dir), i) for i in range(n)}
+
+
+async def run_with_replicas(
+    p: Prepared, servers: dict[str, Any], *, version_offset: int | None = None
+) -> dict[str, Any]:
+    """Build the trainer side around running `servers` and train to the end.
+
+    `version_offset=None` reads the version the replicas hold (0 for fresh ones)."""
+    from transformers import AutoTokenizer
+
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.ckpt_engine import CheckpointEngineManager
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
@@ -233,58 +282,32 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
     from offbeat.core.trainer.tracking import MetricsTracker
     from offbeat.core.trainer.trainer import Trainer, TrainerSettings
     from offbeat.core.trainer.validation import Validator
-    from offbeat.core.trainer.warm_start import warm_start
 
-    t_start = time.perf_counter()
-    rt = cfg.runtime
-    seed = cfg.trainer.seed
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    torch.set_num_threads(rt.trainer_threads)
+    t0 = time.perf_counter()
+    cfg, rt = p.cfg, p.cfg.runtime
+    servers = dict(servers)
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    # The train engine builds while the replicas start.
+    engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or str(p.model_dir))
+    await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
+    if version_offset is None:
+        version_offset = max(int(s.weight_version) for s in servers.values())
+    ready_s = time.perf_counter() - t0
 
-    train_files, val_files = resolve_data(cfg, cache_dir / "tasks")
-    model_dir = resolve_model(cfg.model.path, cache_dir / "models")
-    if cfg.warm_start.steps > 0:
-        rows = [r for f in train_files for r in read_parquet(f)]
-        model_dir = await asyncio.to_thread(
-            warm_start, model_dir, rows, cfg.warm_start, cache_dir=cache_dir / "warm_start",
-            prompt_key=cfg.data.prompt_key,
-        )  # fmt: skip
-    job = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
-    setup_s = time.perf_counter() - t_start
-
-    init_ray(rt)
-    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
-    n_replicas = cfg.resources.rollout_devices // cfg.rollout.tensor_parallel_size
-    servers = {f"rollout-{i}": factory(job, str(model_dir), i) for i in range(n_replicas)}
-    manager = None
+    balancer = AsyncLoadBalancer(dict(servers))
+    client = PartialRolloutClient(balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens))
+    manager = CheckpointEngineManager(rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s)
     try:
-        # The train engine builds while the replicas start.
-        engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(job)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(job.model.tokenizer_path or str(model_dir))
-        await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
-        start_s = time.perf_counter() - t_start
-
-        balancer = AsyncLoadBalancer(dict(servers))
-        client = PartialRolloutClient(
-            balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens)
-        )
-        manager = CheckpointEngineManager(rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s)
         rewards = RewardRegistry(name=cfg.reward.name, kwargs=cfg.reward.kwargs)
-        sync_mode = cfg.trainer.mode == "sync"
         s = cfg.async_training
         buffer = AsyncReplayBuffer(
             BufferConfig(
                 groups_per_step=cfg.data.train_batch_size,
                 max_off_policy_threshold=s.max_off_policy_threshold,
                 max_off_policy_strategy=s.max_off_policy_strategy,
-                num_warmup_batches=0 if sync_mode else s.num_warmup_batches,
+                num_warmup_batches=0 if cfg.trainer.mode == "sync" else s.num_warmup_batches,
             )
         )
         pool = ReplicaPool(servers, balancer, manager)
@@ -292,13 +315,14 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
             client, tokenizer, rewards, base_sampling(cfg), prompt_key=cfg.data.prompt_key,
             max_prompt_length=cfg.data.max_prompt_length, on_engine_error=pool.on_engine_error,
         )  # fmt: skip
-        loader = PromptDataLoader(train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        loader = PromptDataLoader(p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         driver = RolloutDriver(
             buffer, loader, agent, n=cfg.rollout.n, max_concurrent_groups=rt.max_concurrent_groups
         )
         pool.on_pause = driver.clock.pause
-        val_rows = [r for f in val_files for r in read_parquet(f)]
-        validator = Validator(agent, val_rows) if val_rows else None
+        val_rows = [r for f in p.val_files for r in read_parquet(f)]
+        wants_val = cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
+        validator = Validator(agent, val_rows) if val_rows and wants_val else None
         tracker = MetricsTracker(
             run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
             progress=rt.progress_bar,
@@ -312,35 +336,47 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
+            version_offset=version_offset,
         )  # fmt: skip
         tracker.event(
-            f"offbeat: mode={cfg.trainer.mode} replicas={n_replicas} model={model_dir} "
-            f"setup={setup_s:.1f}s engines_ready={start_s:.1f}s"
+            f"offbeat: mode={cfg.trainer.mode} replicas={len(servers)} model={p.model_dir} "
+            f"setup={p.setup_s:.1f}s replicas_ready={ready_s:.1f}s"
         )
         try:
             summary = await trainer.run()
         finally:
             tracker.close()
         plot = tracker.plot()
-        summary.update(
-            {
-                "run_dir": str(run_dir),
-                "metrics": str(tracker.jsonl_path),
-                "plot": str(plot) if plot else None,
-                "total_wall_s": time.perf_counter() - t_start,
-                "startup_s": start_s,
-                "removed_replicas": dict(pool.removed),
-                "trainer": trainer,
-            }
-        )
-        return summary
     finally:
-        if manager is not None:
-            manager.close()
-        await _shutdown(servers)
+        manager.close()
+    summary.update(
+        {
+            "run_dir": str(run_dir),
+            "metrics": str(tracker.jsonl_path),
+            "plot": str(plot) if plot else None,
+            "startup_s": p.setup_s + ready_s,
+            "removed_replicas": dict(pool.removed),
+            "trainer": trainer,
+        }
+    )
+    return summary
 
 
-async def _shutdown(servers: dict[str, Any]) -> None:
+async def run_job(cfg: RunConfig) -> dict[str, Any]:
+    """Run `cfg` (already validated) to the end on fresh replicas; shut them down after."""
+    t0 = time.perf_counter()
+    init_ray(cfg.runtime)
+    p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
+    servers = start_replicas(p)
+    try:
+        summary = await run_with_replicas(p, servers, version_offset=0)
+    finally:
+        await shutdown_replicas(servers)
+    summary["total_wall_s"] = time.perf_counter() - t0
+    return summary
+
+
+async def shutdown_replicas(servers: dict[str, Any]) -> None:
     import ray
 
     for s in servers.values():

@@ -138,6 +138,7 @@ class Trainer:
         checkpoints: CheckpointManager | None = None,
         validator: Validator | None = None,
         rollout_memory: Any = None,
+        version_offset: int = 0,
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -150,7 +151,10 @@ class Trainer:
         self.checkpoints = checkpoints
         self.validator = validator
         self.rollout_memory = rollout_memory  # async () -> dict of engine memory metrics
-        self.version = 0
+        # Replicas that already hold version v (shared engines, attached pools) start the
+        # numbering there: step t syncs version `version_offset + t`.
+        self.version_offset = version_offset
+        self.version = version_offset
         self.step = 0
         self.trained_uids: list[str] = []
         self.evicted_uids: list[str] = []
@@ -165,6 +169,7 @@ class Trainer:
         return {
             "step": self.step,
             "version": self.version,
+            "version_offset": self.version_offset,
             "dataloader": self.driver.loader.state_dict(),
             "buffer": self.buffer.core.state_dict(),
             "rng": rng_state(),
@@ -175,6 +180,7 @@ class Trainer:
     def _restore(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.version = int(state["version"])
+        self.version_offset = int(state.get("version_offset", 0))
         self.driver.loader.load_state_dict(state["dataloader"])
         self.buffer.core.load_state_dict(state["buffer"])
         set_rng_state(state["rng"])
@@ -293,9 +299,10 @@ class Trainer:
         # The last validation must see only its own version: finish it before syncing.
         await self._finish_validation()
         t0 = time.perf_counter()
-        result = await self.pool.sync(self.engine.export_weights, step)
+        version = self.version_offset + step
+        result = await self.pool.sync(self.engine.export_weights, version)
         sync_s = time.perf_counter() - t0
-        self.version = step
+        self.version = version
         self.sync_results.append(result)
         if (s.test_freq > 0 and step % s.test_freq == 0) or step == s.total_training_steps:
             self._start_validation()
@@ -304,7 +311,8 @@ class Trainer:
         busy = self.driver.clock.read() - busy0
         tokens = self.driver.tokens_generated - tokens0
         spans = [float(g.span(step)) for g in groups for _ in g.trajectories]
-        stale = [float((step - 1) - t.min_weight_version) for g in groups for t in g.trajectories]
+        policy = self.version_offset + step - 1  # the version the batch was trained from
+        stale = [float(policy - t.min_weight_version) for g in groups for t in g.trajectories]
         lengths = [float(len(t.response_ids)) for g in groups for t in g.trajectories]
         rewards = batch.rewards.tolist()
         counts = self.buffer.core.counts()
