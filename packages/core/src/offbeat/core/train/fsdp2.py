@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from offbeat.core.algorithms import global_normalizer
 from offbeat.core.device import Device, current_device, get_device
-from offbeat.core.train import _batch, _checkpoint
+from offbeat.core.train import _batch, _checkpoint, _sharding
 from offbeat.core.train._metrics import MetricSums
 from offbeat.core.train.engine import LossFn, register_train_engine
 from offbeat.core.train.loss import PPOLoss, PPOLossConfig
@@ -59,6 +58,9 @@ class FSDP2Config:
     gradient_checkpointing: bool = False
     reshard_after_forward: bool = True
     trust_remote_code: bool = False
+    # With several ranks, only rank 0 reads the checkpoint and broadcasts it (the others
+    # build on the meta device): one full copy of the model per host instead of per rank.
+    init_on_rank0: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self, prefix: str = "train_engine") -> None:
@@ -101,43 +103,6 @@ class FSDP2Config:
         )
 
 
-def _ensure_process_group(device: Device) -> torch.device:
-    """Join the caller's process group if there is one (torchrun / env:// variables), or
-    start a private single-process group (needs no port); return this rank's device."""
-    if device.torch_type == "cpu":
-        local = torch.device("cpu")
-    else:
-        module = torch.get_device_module(device.torch_type)
-        if "LOCAL_RANK" in os.environ and not dist.is_initialized():
-            module.set_device(int(os.environ["LOCAL_RANK"]))
-        local = device.torch_device(module.current_device())
-    if not dist.is_initialized():
-        # Accelerator collectives on the device backend, CPU ones (metrics, object
-        # gathers) on gloo.
-        backend = (
-            device.backend
-            if device.torch_type == "cpu"
-            else f"cpu:gloo,{device.torch_type}:{device.backend}"
-        )
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return local
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks to shard one by one: HF's `_no_split_modules` classes."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(
-            f"cannot find decoder layers in {type(model).__name__}: its _no_split_modules is "
-            f"{sorted(names)}; FSDP2 needs the layer class to shard per layer"
-        )
-    return layers
-
-
 def hf_name(name: str) -> str:
     """A parameter name with wrapper prefixes removed (what HF state dicts call it)."""
     for prefix in _WRAPPER_PREFIXES:
@@ -157,8 +122,8 @@ def _full(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 class FSDP2TrainEngine:
     """One data-parallel rank of an FSDP2-sharded HF causal LM.
 
-    `model` may be passed already built (tests, custom models); otherwise it is loaded
-    from `config.model_path` with `AutoModelForCausalLM`. `loss_fn` computes a
+    `model` may be passed already built (tests, custom models; every rank passes the same
+    weights); otherwise it is loaded from `config.model_path` with `AutoModelForCausalLM`. `loss_fn` computes a
     micro-batch's share of the mini-batch loss (see `offbeat.core.train.engine.LossFn`);
     the default is `PPOLoss()` with default settings.
     With world size > 1 the caller starts torch.distributed (or sets the env:// variables);
@@ -181,44 +146,39 @@ class FSDP2TrainEngine:
         self.config = config
         self._loss_fn: LossFn = loss_fn if loss_fn is not None else PPOLoss()
         self._accel: Device = get_device(config.device) if config.device else current_device()
-        self._device = _ensure_process_group(self._accel)
+        self._device = _sharding.ensure_process_group(self._accel)
         self._mesh: DeviceMesh = init_device_mesh(
             self._accel.torch_type, (dist.get_world_size(),), mesh_dim_names=("dp",)
         )
         self._group = self._mesh.get_group()
+        mp = MixedPrecisionPolicy(
+            param_dtype=_DTYPES[config.param_dtype], reduce_dtype=_DTYPES[config.reduce_dtype]
+        )
         if model is None:
-            model = self._load_model(config)
-        if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
+            model = _sharding.build_sharded_model(
+                config.model_path,
+                self._mesh,
+                self._device,
+                mp,
+                reshard_after_forward=config.reshard_after_forward,
+                gradient_checkpointing=config.gradient_checkpointing,
+                trust_remote_code=config.trust_remote_code,
+                init_on_rank0=config.init_on_rank0,
             )
-        self._model = self._shard(model.float(), config)
+        else:
+            model = _sharding.shard(
+                model.float(),
+                self._mesh,
+                mp,
+                config.reshard_after_forward,
+                config.gradient_checkpointing,
+            )
+        self._model = model
         self._optimizer = build_optimizer(self._model.parameters(), config.optim)
         self._scheduler = build_lr_scheduler(self._optimizer, config.optim)
         self._updates = 0
         # HF causal LMs can skip the LM head on the prompt positions.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-
-    # ---------------------------------------------------------------- construction
-    @staticmethod
-    def _load_model(config: FSDP2Config) -> nn.Module:
-        if not config.model_path:
-            raise ValueError("train_engine.model_path is empty: give a HF model directory or id")
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=torch.float32, trust_remote_code=config.trust_remote_code
-        )
-
-    def _shard(self, model: nn.Module, config: FSDP2Config) -> nn.Module:
-        mp = MixedPrecisionPolicy(
-            param_dtype=_DTYPES[config.param_dtype], reduce_dtype=_DTYPES[config.reduce_dtype]
-        )
-        kwargs = {"mesh": self._mesh, "mp_policy": mp}
-        for layer in _decoder_layers(model):
-            fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
-        fully_shard(model, reshard_after_forward=config.reshard_after_forward, **kwargs)
-        return model
 
     # ---------------------------------------------------------------- properties
     @property

@@ -1,0 +1,153 @@
+"""Setting up an FSDP2 rank: the process group, and a HF causal LM loaded and sharded
+with `fully_shard` (one unit per decoder layer, plus the root).
+
+Knows nothing about training. With several ranks, only rank 0 reads the checkpoint: the
+others build a skeleton whose parameters live on the meta device (no memory), and rank 0
+broadcasts the weights shard by shard after sharding, so a host holds one full copy of
+the model instead of one per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from offbeat.core.device import Device
+
+
+def ensure_process_group(device: Device) -> torch.device:
+    """Join the caller's process group if there is one (torchrun / env:// variables), or
+    start a private single-process group (needs no port); return this rank's device."""
+    if device.torch_type == "cpu":
+        local = torch.device("cpu")
+    else:
+        module = torch.get_device_module(device.torch_type)
+        if "LOCAL_RANK" in os.environ and not dist.is_initialized():
+            module.set_device(int(os.environ["LOCAL_RANK"]))
+        local = device.torch_device(module.current_device())
+    if not dist.is_initialized():
+        # Accelerator collectives on the device backend, CPU ones (metrics, object
+        # gathers) on gloo.
+        backend = (
+            device.backend
+            if device.torch_type == "cpu"
+            else f"cpu:gloo,{device.torch_type}:{device.backend}"
+        )
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return local
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks to shard one by one: HF's `_no_split_modules` classes."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"cannot find decoder layers in {type(model).__name__}: its _no_split_modules is "
+            f"{sorted(names)}; FSDP2 needs the layer class to shard per layer"
+        )
+    return layers
+
+
+def load_hf_model(path: str, trust_remote_code: bool) -> nn.Module:
+    """The float32 HF causal LM at `path` (a directory or a hub id), on CPU."""
+    if not path:
+        raise ValueError("train_engine.model_path is empty: give a HF model directory or id")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (one real tensor at a
+    time, while it is created) and keep real buffers (e.g. rotary frequencies, which no
+    checkpoint holds). Parameters assigned twice (tied embeddings) stay one object."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _skeleton(path: str, trust_remote_code: bool) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
+
+
+def shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+    gradient_checkpointing: bool,
+) -> nn.Module:
+    """`fully_shard` each decoder layer, then the root (in place; returns the model)."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def build_sharded_model(
+    path: str,
+    mesh: DeviceMesh,
+    device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    *,
+    reshard_after_forward: bool = True,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+    init_on_rank0: bool = True,
+) -> nn.Module:
+    """Load the HF model at `path` and shard it over `mesh`. With several ranks and
+    `init_on_rank0`, rank 0 alone reads the checkpoint and broadcasts it."""
+    group = mesh.get_group()
+    opts = (reshard_after_forward, gradient_checkpointing)
+    if dist.get_world_size(group) == 1 or not init_on_rank0:
+        return shard(load_hf_model(path, trust_remote_code).float(), mesh, mp_policy, *opts)
+    full_state = {}
+    if dist.get_rank(group) == 0:
+        full_state = load_hf_model(path, trust_remote_code).state_dict()
+    model = shard(_skeleton(path, trust_remote_code), mesh, mp_policy, *opts)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    set_model_state_dict(
+        model,
+        full_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    return model
