@@ -207,6 +207,21 @@ def test_gradient_accumulation_matches_one_big_micro_batch(model_dir, loss):
         assert ref_metrics["rollout_is/outside_frac"] > 0
 
 
+def test_gradient_checkpointing_gives_the_same_update(model_dir):
+    batch = make_batch(6, seed=3)
+    results = []
+    for checkpointing in (False, True):
+        config = FSDP2Config(
+            model_path=str(model_dir), device="cpu", micro_batch_size=4,
+            gradient_checkpointing=checkpointing, optim=OptimConfig(lr=1e-2, eps=EPS),
+        )  # fmt: skip
+        engine = FSDP2TrainEngine(config)
+        assert engine.model.is_gradient_checkpointing == checkpointing
+        engine.update(with_old_log_probs(engine, batch))
+        results.append((params_of(engine), grads_of(engine)))
+    assert_same_update(results[1], results[0])  # and the exported names are still HF's
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_yields_each_hf_parameter_once_one_at_a_time(tmp_path, monkeypatch, tied):
     from torch.distributed.tensor import DTensor
