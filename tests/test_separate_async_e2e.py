@@ -25,6 +25,7 @@ from offbeat.core.tasks import make_rows, write_parquet  # noqa: E402
 from offbeat.core.trainer import CheckpointManager  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
     init_ray,
+    listening_addresses,
     prepare,
     run_with_replicas,
     shutdown_replicas,
@@ -108,6 +109,17 @@ def check_accounting(trainer) -> None:
 
 class Killed(Exception):
     pass
+
+
+def test_local_job_listens_on_loopback_only(world):
+    servers = world[2]
+    asyncio.run(servers["rollout-0"].refresh())  # the replicas are up
+    addrs = listening_addresses()
+    assert addrs, "expected the local Ray cluster's servers"
+    outside = [
+        (name, ip) for name, ip in addrs if ip not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+    ]
+    assert not outside, outside
 
 
 def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         print(f"offbeat: config of {args.recipe!r} is valid")
         return 0
+    # SIGTERM unwinds like Ctrl-C, so the job's cleanup (replicas, Ray) runs.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     result = module.main(cfg)
     return int(result) if isinstance(result, int) else 0
 

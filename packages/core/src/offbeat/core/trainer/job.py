@@ -153,13 +153,38 @@ def init_ray(rt: RuntimeConfig) -> None:
     if rt.ray_address:
         ray.init(address=rt.ray_address, log_to_driver=True)
         return
-    ray.init(
-        num_cpus=rt.ray_num_cpus,
-        include_dashboard=False,
-        _node_ip_address=rt.node_ip,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    from ray._private import services
+
+    # Ray swaps a loopback node IP for the machine's reachable one, and its servers bind to
+    # the node IP: keep loopback so a local job listens on nothing else.
+    original = services.resolve_ip_for_localhost
+    if services.is_localhost(rt.node_ip):
+        services.resolve_ip_for_localhost = lambda host: host
+    try:
+        ray.init(
+            num_cpus=rt.ray_num_cpus,
+            include_dashboard=False,
+            _node_ip_address=rt.node_ip,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+    finally:
+        services.resolve_ip_for_localhost = original
+
+
+def listening_addresses() -> list[tuple[str, str]]:
+    """(process name, address) of every TCP socket listened on by this process and its
+    descendants (the local Ray cluster and the engines it started)."""
+    import psutil
+
+    me = psutil.Process()
+    out = []
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            for c in proc.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    out.append((proc.name(), c.laddr.ip))
+    return out
 
 
 def _tree_rss_bytes(pid: int) -> int:
