@@ -1,14 +1,16 @@
-"""cuda_ipc round trip between processes on one GPU (skipped without CUDA)."""
+"""cuda_ipc round trips between processes on one GPU (skipped without CUDA). Plain functions
+around asyncio.run, so they need no asyncio plugin on a GPU machine."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 
 import pytest
 import torch
 from ckpt_engine_fakes import BUCKET, ProcessTarget, digest
 
-from offbeat.ckpt_engine import CheckpointEngineManager
+from offbeat.ckpt_engine import CheckpointEngineManager, get_backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,20 +18,45 @@ pytestmark = [
 ]
 
 
-async def test_cuda_ipc_round_trip_to_another_process(model):
-    gpu_model = {n: t.cuda() for n, t in model.items()}
+def _sync_twice(model: dict[str, torch.Tensor], backend) -> None:
     ctx = mp.get_context("spawn")
     targets = {"g0": ProcessTarget(ctx), "g1": ProcessTarget(ctx)}
-    mgr = CheckpointEngineManager(
-        "cuda_ipc", bucket_bytes=BUCKET, phase_timeout_s=120, checksum=True
-    )
-    try:
+    mgr = CheckpointEngineManager(backend, bucket_bytes=BUCKET, phase_timeout_s=120, checksum=True)
+
+    async def run() -> None:
         for version in (1, 2):
-            res = await mgr.sync(gpu_model.items(), version, targets)
+            res = await mgr.sync(model.items(), version, targets)
             assert res.failed == {}, res.failed
             for t in targets.values():
+                assert t.weight_version == version
                 assert t.last_digest == {n: digest(x) for n, x in model.items()}
+
+    try:
+        asyncio.run(run())
     finally:
         mgr.close()
         for t in targets.values():
             t.close()
+
+
+def test_cuda_ipc_packed_round_trip(model):
+    _sync_twice({n: t.cuda() for n, t in model.items()}, "cuda_ipc")
+
+
+def test_cuda_ipc_in_place_round_trip(model):
+    """Tensors that are views of one storage are read in place by the receivers."""
+    tensors = [t.cuda().contiguous() for t in model.values()]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    pad = [(s + 255) // 256 * 256 for s in sizes]
+    flat = torch.zeros(sum(pad), dtype=torch.uint8, device="cuda")
+    views, off = {}, 0
+    for (name, src), n, p in zip(model.items(), sizes, pad, strict=True):
+        v = (
+            flat[off : off + n].view(src.dtype).view(src.shape)
+            if n
+            else torch.empty(src.shape, dtype=src.dtype, device="cuda")
+        )
+        v.copy_(src)
+        views[name] = v
+        off += p
+    _sync_twice(views, get_backend("cuda_ipc")(zero_copy_min_bytes=0))

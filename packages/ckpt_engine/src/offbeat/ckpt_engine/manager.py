@@ -23,7 +23,7 @@ from offbeat.ckpt_engine.target import SyncTarget
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "PHASES", "CheckpointEngineManager", "SyncResult"]
 
-# 256 MiB: see the README's "Bucket size" for the measurement behind it.
+# The fallback when a backend names none; see the README's "Bucket size".
 DEFAULT_BUCKET_BYTES = 256 << 20
 PHASES = ("abort", "release_kv", "transfer", "resume_kv", "resume")
 
@@ -65,7 +65,7 @@ class CheckpointEngineManager:
         self,
         backend: str | Backend = "shm",
         *,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         phase_timeout_s: float = 300.0,
         transfer_timeout_s: float | None = None,
         wait_timeout_s: float | None = None,
@@ -73,16 +73,18 @@ class CheckpointEngineManager:
         backend_options: Mapping[str, Any] | None = None,
         targets: Mapping[str, SyncTarget] | None = None,
     ) -> None:
-        if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN or bucket_bytes % ALIGN:
-            raise ValueError(
-                f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}"
-            )
         if phase_timeout_s <= 0:
             raise ValueError(f"phase_timeout_s must be > 0, got {phase_timeout_s!r}")
         if isinstance(backend, Backend):
             self._backend = backend
         else:
             self._backend = get_backend(backend)(**dict(backend_options or {}))
+        if bucket_bytes is None:
+            bucket_bytes = self._backend.default_bucket_bytes
+        if not isinstance(bucket_bytes, int) or bucket_bytes < ALIGN or bucket_bytes % ALIGN:
+            raise ValueError(
+                f"bucket_bytes must be a positive multiple of {ALIGN}, got {bucket_bytes!r}"
+            )
         self.bucket_bytes = bucket_bytes
         self.phase_timeout_s = phase_timeout_s
         self.transfer_timeout_s = transfer_timeout_s or phase_timeout_s

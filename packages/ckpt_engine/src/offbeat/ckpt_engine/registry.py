@@ -56,6 +56,8 @@ class Backend(ABC):
     example process groups); the receiving side needs no instance."""
 
     name: ClassVar[str]
+    # Used when the manager is given no bucket size; see the README's "Bucket size".
+    default_bucket_bytes: ClassVar[int] = 256 << 20
 
     def __init__(self, **options: Any) -> None:
         if options:
