@@ -93,6 +93,10 @@ class TrainEngine(Protocol):
     `update` is one PPO mini-batch update (micro-batching and gradient accumulation
     inside, then one clipped optimizer step and one LR-schedule step); the LR schedule's
     horizon counts these updates, and so does `global_update_count`.
+
+    A class registered in `TRAIN_ENGINES` also offers `from_job_config(job, **kwargs)`, a
+    classmethod that builds the policy's engine from a `offbeat.core.config.JobConfig`
+    (see `build_actor_engine`).
     """
 
     @property
