@@ -100,6 +100,8 @@ class VLLMRolloutServer:
         self._idle.set()
         # Set when a weight update failed part-way: the model may hold mixed weights.
         self._broken: str | None = None
+        # Timings of the last successful update_weights (per worker: receive_s, finalize_s).
+        self.last_update: dict[str, Any] | None = None
 
     # ---- identity and state ---------------------------------------------------------
     @property
@@ -227,8 +229,7 @@ class VLLMRolloutServer:
         `generate` has returned. Stays paused until `resume()`."""
         self._running.clear()
         self._abort_epoch += 1
-        # clear_cache: the prefix cache holds KV computed with weights about to change.
-        await self.engine.pause_generation(mode="abort", clear_cache=True)
+        await self._pause_engine()
         try:
             await asyncio.wait_for(self._idle.wait(), self.config.abort_timeout_s)
         except TimeoutError as e:
@@ -236,6 +237,22 @@ class VLLMRolloutServer:
                 f"server {self.server_id}: {self._inflight} request(s) still running "
                 f"{self.config.abort_timeout_s}s after abort_all()"
             ) from e
+
+    async def _pause_engine(self) -> None:
+        # Pause vLLM's scheduler, aborting what it holds; clear_cache because the prefix
+        # cache holds KV computed with weights that are about to change.
+        # AsyncLLM.pause_generation does the same plus a fixed 20 ms sleep so that the
+        # aborted outputs usually arrive before it returns; abort_all() waits for exactly
+        # those outputs instead, so it calls the engine-core client directly when it can.
+        core = getattr(self.engine, "engine_core", None)
+        pause = getattr(core, "pause_scheduler_async", None)
+        renderer = getattr(self.engine, "renderer", None)
+        clear_mm = getattr(renderer, "clear_mm_cache_async", None)
+        if pause is None or clear_mm is None:
+            await self.engine.pause_generation(mode="abort", clear_cache=True)
+            return
+        await clear_mm()
+        await pause(mode="abort", clear_cache=True)
 
     async def resume(self) -> None:
         """Accept and schedule requests again (the ones waiting at the gate go first)."""
@@ -287,23 +304,29 @@ class VLLMRolloutServer:
         try:
             # vLLM serialises RPC arguments with msgspec, which turns dataclasses into
             # dicts: send a dict explicitly and rebuild the spec in the worker.
-            versions = await self.engine.collective_rpc(
+            reports = await self.engine.collective_rpc(
                 "offbeat_receive_weights", args=(dataclasses.asdict(spec), self._weight_version)
             )
         except Exception as e:
             self._broken = f"weight update to version {spec.version} failed: {e}"
             raise
-        if any(v != spec.version for v in versions):
-            self._broken = f"workers reported versions {versions}, expected {spec.version}"
+        got = [r["version"] for r in reports]
+        if any(v != spec.version for v in got):
+            self._broken = f"workers reported versions {got}, expected {spec.version}"
             raise RuntimeError(f"server {self.server_id}: {self._broken}")
         await self.engine.reset_prefix_cache()
         self._broken = None
         self._weight_version = spec.version
+        self.last_update = {
+            "version": spec.version,
+            "total_s": time.perf_counter() - t0,
+            "workers": reports,
+        }
         logger.info(
             "server %s: weights version %d loaded in %.3fs",
             self.server_id,
             spec.version,
-            time.perf_counter() - t0,
+            self.last_update["total_s"],
         )
         return self._weight_version
 

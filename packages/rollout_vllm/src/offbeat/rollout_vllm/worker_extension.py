@@ -16,6 +16,7 @@ re-runs each layer's post-load processing as soon as all of its weights have arr
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 __all__ = ["WeightSyncExtension"]
@@ -40,10 +41,15 @@ class WeightSyncExtension:
     model_runner: Any
     vllm_config: Any
 
-    def offbeat_receive_weights(self, spec: Any, current_version: int) -> int:
+    def offbeat_receive_weights(self, spec: Any, current_version: int) -> dict[str, Any]:
         """Run the checkpoint engine's receiver for `spec` (a `ReceiveSpec` or its fields
         as a dict, which is how vLLM's RPC delivers it), loading every (name, tensor)
-        through the model's own `load_weights`; return the version now held."""
+        through the model's own `load_weights`.
+
+        Returns {"version": the version now held, "receive_s": time in the receiver
+        (waiting for buckets, copying, `load_weights`, per-layer post-processing),
+        "finalize_s": the post-processing left for the end (attention layers)}.
+        """
         from vllm.config import set_current_vllm_config
 
         from offbeat.ckpt_engine import ReceiveSpec, receive
@@ -53,11 +59,17 @@ class WeightSyncExtension:
 
         model = self.model_runner.get_model()
         reload = _layerwise_reload()
+        t0 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             if reload is None:
-                return receive(
+                version = receive(
                     spec, load_weights=model.load_weights, current_version=current_version
                 )
+                return {
+                    "version": version,
+                    "receive_s": time.perf_counter() - t0,
+                    "finalize_s": 0.0,
+                }
             initialize, finalize = reload
 
             def load_weights(named_tensors):
@@ -67,13 +79,20 @@ class WeightSyncExtension:
                 return model.load_weights((n, t.clone()) for n, t in named_tensors)
 
             initialize(model)
+            t1 = time.perf_counter()
             try:
                 version = receive(spec, load_weights=load_weights, current_version=current_version)
             finally:
+                t2 = time.perf_counter()
                 # Also on failure: put every layer back into a runnable state (the server
                 # then marks itself broken and serves nothing until a sync succeeds).
                 finalize(model, self.vllm_config.model_config)
-        return version
+        return {
+            "version": version,
+            "receive_s": t2 - t0,
+            "finalize_s": time.perf_counter() - t2,
+            "initialize_s": t1 - t0,
+        }
 
     def offbeat_weight_checksum(self) -> float:
         """Sum of all parameters as float64: a cheap fingerprint for tests and debugging."""
