@@ -86,6 +86,12 @@ def test_lease_from_another_balancer_is_refused():
     assert a.release(lease) is True
 
 
+def test_release_of_something_else_is_a_type_error():
+    lb = LoadBalancer(["s"])
+    with pytest.raises(TypeError, match="takes a Lease"):
+        lb.release("s")
+
+
 def test_lease_does_not_pickle():
     lease = LoadBalancer(["s"]).acquire("r")
     with pytest.raises(TypeError, match="Ray wrapper"):

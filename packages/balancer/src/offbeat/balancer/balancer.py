@@ -107,7 +107,7 @@ class LoadBalancer:
                         sticky.move_to_end(request_id)
                     elif len(sticky) > self._sticky_capacity:
                         sticky.popitem(last=False)
-            # pool.charge(srv, cost), inlined: this is the hot path
+            # count it and re-index it (pool.push, inlined: this is the hot path)
             load = srv.inflight = srv.inflight + cost
             if srv.seq >= 0:
                 heap = pool._heap
@@ -124,6 +124,8 @@ class LoadBalancer:
 
     def release(self, lease: Lease) -> bool:
         """End `lease`. True the first time; False for a repeat or if its server was removed."""
+        if lease.__class__ is not Lease:
+            raise TypeError(f"release() takes a Lease from acquire(), got {lease!r}")
         srv = lease._server
         if srv.pool is not self._pool:
             raise ValueError(f"{lease!r} was not issued by this LoadBalancer")
@@ -135,7 +137,7 @@ class LoadBalancer:
             lease._open = False
             if srv.removed:
                 return False
-            # self._pool.discharge(srv, lease.cost), inlined
+            # uncount it and re-index it (pool.push, inlined)
             load = srv.inflight = srv.inflight - lease.cost
             if srv.seq >= 0:
                 pool = self._pool
@@ -145,7 +147,7 @@ class LoadBalancer:
                 if len(heap) > pool._heap_limit:
                     pool._rebuild()
             elif srv.draining and load <= 0:
-                self._pool.discharge(srv, 0)  # drops the emptied draining server
+                self._pool.drop_if_drained(srv)
         finally:
             lock.release()
         if self._listeners:

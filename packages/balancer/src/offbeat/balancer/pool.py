@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from heapq import heapify, heappop, heappush, heapreplace
+from heapq import heapify, heappop, heappush
 from typing import Any
 
 __all__ = ["Server", "ServerPool"]
@@ -120,29 +120,19 @@ class ServerPool:
         return None
 
     # ---- counting (the balancer, under its lock) ----------------------------------------
-    def charge(self, srv: Server, cost: int) -> None:
-        load = srv.inflight = srv.inflight + cost
-        if srv.seq >= 0:
-            heap = self._heap
-            seq = srv.seq = next(self._seq)
-            if heap[0][2] is srv:  # the usual case: the least-loaded server was just picked
-                heapreplace(heap, (load, seq, srv))
-            else:
-                heappush(heap, (load, seq, srv))
-                if len(heap) > self._heap_limit:
-                    self._rebuild()
+    # The balancer changes `inflight` and pushes the new heap entry inline (its hot path);
+    # these two are that same bookkeeping for everything else.
+    def push(self, srv: Server) -> None:
+        """Index `srv` at its current load (it must be accepting)."""
+        heap = self._heap
+        seq = srv.seq = next(self._seq)
+        heappush(heap, (srv.inflight, seq, srv))
+        if len(heap) > self._heap_limit:
+            self._rebuild()
 
-    def discharge(self, srv: Server, cost: int) -> bool:
-        """Take `cost` off `srv`. Returns True when a draining server just emptied (removed)."""
-        load = srv.inflight = srv.inflight - cost
-        if srv.seq >= 0:
-            heap = self._heap
-            seq = srv.seq = next(self._seq)
-            heappush(heap, (load, seq, srv))
-            if len(heap) > self._heap_limit:
-                self._rebuild()
-            return False
-        if srv.draining and load <= 0:
+    def drop_if_drained(self, srv: Server) -> bool:
+        """Drop a draining server whose count reached 0. True if it was dropped."""
+        if srv.draining and srv.inflight <= 0 and not srv.removed:
             self._drop(srv)
             return True
         return False
