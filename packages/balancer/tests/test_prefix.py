@@ -23,6 +23,12 @@ def test_block_hashes_are_chained_over_full_blocks():
     assert block_hashes(tuple(range(40)), 16) == a
     assert block_hashes(iter(range(40)), 16) == a
 
+    class ArrayLike:  # numpy / torch: hash the ints, not the element objects
+        def tolist(self):
+            return list(range(40))
+
+    assert block_hashes(ArrayLike(), 16) == a
+
 
 def test_same_prompt_goes_where_its_prefix_is():
     lb = LoadBalancer(ids(4), policy="prefix", sticky_capacity=0)

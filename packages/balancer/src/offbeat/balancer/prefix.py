@@ -26,7 +26,12 @@ def block_hashes(prompt_ids: Sequence[int], block_size: int = 16) -> list[int]:
     share that whole prefix (up to hash collisions). Ints and tuples of ints hash the same in
     every process, so the values are stable.
     """
-    ids = prompt_ids if isinstance(prompt_ids, (list, tuple)) else list(prompt_ids)
+    if isinstance(prompt_ids, (list, tuple)):
+        ids = prompt_ids
+    elif hasattr(prompt_ids, "tolist"):  # numpy arrays, torch tensors: hash the ints
+        ids = prompt_ids.tolist()
+    else:
+        ids = list(prompt_ids)
     out: list[int] = []
     h = 0
     for start in range(0, len(ids) - block_size + 1, block_size):
