@@ -35,7 +35,7 @@ def vllm_server_actor(config: Any, **ray_options: Any) -> Any:
 
 class RemoteRolloutServer:
     """A Ray actor handle of `VLLMRolloutServer` seen as a local `RolloutServer` and
-    `SyncTarget`. `weight_version` is the last version the actor reported."""
+    `SyncTarget` (what `CheckpointEngineManager` and `PartialRolloutClient` take)."""
 
     def __init__(self, handle: Any, weight_version: int | None = None) -> None:
         self.handle = handle
@@ -43,10 +43,12 @@ class RemoteRolloutServer:
 
     @property
     def weight_version(self) -> int:
+        """The last version the actor reported (asked once, blocking, on first use; then
+        kept current by `generate`, `update_weights` and `refresh()`)."""
         if self._weight_version is None:
-            raise RuntimeError(
-                "RemoteRolloutServer.weight_version is unknown until refresh() is awaited"
-            )
+            import ray
+
+            self._weight_version = ray.get(self.handle.get_weight_version.remote())
         return self._weight_version
 
     async def refresh(self) -> int:

@@ -1,0 +1,78 @@
+"""RemoteRolloutServer turns an actor handle into the RolloutServer / SyncTarget protocols
+(checked with a fake handle; the real Ray path runs in the separate_async e2e test)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from offbeat.ckpt_engine import ReceiveSpec, SyncTarget
+from offbeat.core.rollout import RolloutServer, TokenOutput
+from offbeat.rollout_vllm import RemoteRolloutServer
+
+
+class _Method:
+    def __init__(self, actor, name):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args):
+        self.actor.calls.append((self.name, args))
+        return asyncio.ensure_future(getattr(self.actor, "_" + self.name)(*args))
+
+
+class FakeActor:
+    """Stands in for `ray.remote(VLLMRolloutServer)` handles: `handle.m.remote(...)`."""
+
+    def __init__(self):
+        self.calls = []
+        self.version = 3
+
+    def __getattr__(self, name):
+        return _Method(self, name)
+
+    async def _generate(self, request_id, prompt_ids, params):
+        return TokenOutput([1, 2], [-0.1, -0.2], "length", weight_version=self.version)
+
+    async def _update_weights(self, spec):
+        self.version = spec.version
+        return spec.version
+
+    async def _get_weight_version(self):
+        return self.version
+
+    async def _noop(self, *args):
+        return None
+
+    _abort_all = _resume = _release_kv_cache = _resume_kv_cache = _sleep = _wake_up = _noop
+
+
+async def test_proxy_forwards_every_call_and_tracks_the_version():
+    actor = FakeActor()
+    proxy = RemoteRolloutServer(actor, weight_version=0)
+    assert isinstance(proxy, RolloutServer) and isinstance(proxy, SyncTarget)
+    assert await proxy.refresh() == 3 and proxy.weight_version == 3
+
+    params = {"max_tokens": 2}
+    out = await proxy.generate("r", [5], params)
+    assert out.token_ids == [1, 2]
+    await proxy.abort_all()
+    await proxy.release_kv_cache()
+    assert await proxy.update_weights(ReceiveSpec("shm", 7)) == 7
+    assert proxy.weight_version == 7
+    await proxy.resume_kv_cache()
+    await proxy.resume()
+    await proxy.sleep(2)
+    await proxy.wake_up(["weights"])
+    names = [name for name, _ in actor.calls]
+    assert names == [
+        "get_weight_version",
+        "generate",
+        "abort_all",
+        "release_kv_cache",
+        "update_weights",
+        "resume_kv_cache",
+        "resume",
+        "sleep",
+        "wake_up",
+    ]
+    assert actor.calls[1][1] == ("r", [5], {"max_tokens": 2})
+    assert actor.calls[7][1] == (2,) and actor.calls[8][1] == (["weights"],)

@@ -1,0 +1,46 @@
+"""The sampling-dict -> vLLM SamplingParams conversion (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.sampling_params import RequestOutputKind
+
+from offbeat.rollout_vllm._sampling import sampling_keys, to_sampling_params
+
+
+def test_keys_pass_through_and_hot_path_fields_are_forced():
+    params = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 1, "logprobs": 5}
+    sp = to_sampling_params(params)
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.seed) == (7, 0.5, 0.9, 1)
+    assert sp.logprobs == 0 and sp.detokenize is False
+    assert sp.output_kind == RequestOutputKind.FINAL_ONLY
+    assert params["logprobs"] == 5  # the caller's dict is untouched
+
+
+def test_max_new_tokens_is_an_alias():
+    assert to_sampling_params({"max_new_tokens": 9}).max_tokens == 9
+    assert to_sampling_params({"max_new_tokens": 9, "max_tokens": 9}).max_tokens == 9
+    with pytest.raises(ValueError, match="give one of them"):
+        to_sampling_params({"max_new_tokens": 9, "max_tokens": 8})
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"temprature": 1.0}, r"unknown sampling key\(s\) \['temprature'\]"),
+        ({"max_tokens": 0}, "max_tokens=0"),
+        ({"max_tokens": True}, "max_tokens=True"),
+        ({"n": 3}, "n=3"),
+        ({"top_p": 2.0}, "top_p"),
+        (["max_tokens", 3], "must be a mapping"),
+    ],
+)
+def test_bad_params_name_the_problem(params, match):
+    with pytest.raises(ValueError, match=match):
+        to_sampling_params(params)
+
+
+def test_valid_keys_are_public_sampling_params_fields():
+    keys = sampling_keys()
+    assert {"max_tokens", "max_new_tokens", "temperature", "ignore_eos", "stop_token_ids"} <= keys
+    assert not any(k.startswith("_") for k in keys)
