@@ -105,7 +105,18 @@ def receiver_main(cmds, results, shapes, dtype, device) -> None:
                     torch.cuda.reset_peak_memory_stats()
                     base_gpu = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
-                held = receive(cmd[1], load_weights, held)
+                if len(cmd) > 2 and cmd[2] == "profile":
+                    import cProfile
+                    import io
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    held = prof.runcall(receive, cmd[1], load_weights, held)
+                    out = io.StringIO()
+                    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+                    print("## receiver profile\n" + out.getvalue()[-6000:], flush=True)
+                else:
+                    held = receive(cmd[1], load_weights, held)
                 dt = time.perf_counter() - t0
                 extra_gpu = (
                     torch.cuda.max_memory_allocated() - base_gpu if device.startswith("cuda") else 0
@@ -128,6 +139,26 @@ def receiver_main(cmds, results, shapes, dtype, device) -> None:
                         best, src.numel() * src.element_size() / (time.perf_counter() - t0) / 1e9
                     )
                 del src, dst
+                results.put(("ok", best))
+            elif cmd[0] == "load_floor":  # load_weights alone, from views of a shared storage
+                from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+                src = rebuild_cuda_tensor(*cmd[1]).view(dtype)
+                sizes = [t.numel() for t in model.values()]
+                views = [
+                    (n, v.view(t.shape))
+                    for (n, t), v in zip(model.items(), torch.split(src, sizes), strict=True)
+                ]
+                best = 0.0
+                for _ in range(4):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    load_weights(views)
+                    torch.cuda.synchronize()
+                    best = max(
+                        best, src.numel() * src.element_size() / (time.perf_counter() - t0) / 1e9
+                    )
+                del src, views
                 results.put(("ok", best))
             elif cmd[0] == "gloo_bcast":  # the ceiling: one raw gloo broadcast of the same bytes
                 import datetime
@@ -184,8 +215,11 @@ class ReceiverProcess:
 
     async def resume(self) -> None: ...
 
+    profile_next = False
+
     async def update_weights(self, spec) -> int:
-        self.last = await asyncio.to_thread(self.call, "sync", spec)
+        extra = ("profile",) if self.profile_next else ()
+        self.last = await asyncio.to_thread(self.call, "sync", spec, *extra)
         self._version = self.last[0]
         return self._version
 

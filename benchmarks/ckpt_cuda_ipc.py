@@ -22,6 +22,30 @@ from ckpt_common import GiB, MiB, ReceiverProcess, alloc_model, model_digest, sh
 
 from offbeat.ckpt_engine import CheckpointEngineManager, get_backend
 
+_PROFILE_NEXT = [False]
+
+
+def _profile_sender() -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from offbeat.ckpt_engine import _shared_buffer
+
+    real = _shared_buffer.SharedBufferSender.send
+
+    def send(self, named_tensors):
+        if not _PROFILE_NEXT[0]:
+            return real(self, named_tensors)
+        prof = cProfile.Profile()
+        report = prof.runcall(real, self, named_tensors)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+        print("## sender profile\n" + out.getvalue()[-5000:], flush=True)
+        return report
+
+    _shared_buffer.SharedBufferSender.send = send
+
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
@@ -29,10 +53,13 @@ async def main() -> None:
     ap.add_argument("--tensors", type=int, default=500)
     ap.add_argument("--buckets-mib", default="256,1024")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="profile the last sync of each row")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ckpt_cuda_ipc needs a CUDA device")
     torch.cuda.set_device(0)
+    if args.profile:
+        _profile_sender()
     shapes = shapes_for(int(args.gib * GiB), args.tensors, rows=4096)
     ctx = mp.get_context("spawn")
     receiver = ReceiverProcess(ctx, shapes, torch.bfloat16, "cuda")
@@ -48,6 +75,7 @@ async def main() -> None:
     storage = next(iter(flat.values()))
     whole = torch.empty(0, dtype=torch.uint8, device="cuda").set_(storage.untyped_storage())
     (ceiling,) = receiver.call("ipc_copy", tuple(reduce_tensor(whole)[1]))
+    (floor,) = receiver.call("load_floor", tuple(reduce_tensor(whole)[1]))
     del whole
     print(
         f"# ckpt_cuda_ipc: {torch.cuda.get_device_name()}, {len(packed)} bf16 tensors, {nbytes / GiB:.2f} GiB"
@@ -55,11 +83,14 @@ async def main() -> None:
     print(
         f"device-to-device copy of a CUDA-IPC-shared tensor ({nbytes / GiB:.2f} GiB, best of 4): {ceiling:.0f} GB/s"
     )
+    print(
+        f"the receiver's own load_weights (500 copy_ calls) from the same shared storage: {floor:.0f} GB/s"
+    )
     print()
     print(
-        f"| sender layout | bucket | effective GB/s (median / best of {args.reps}) | vs D2D copy | receiver peak extra GPU memory | 2 buckets |"
+        f"| sender layout | bucket | effective GB/s (median / best of {args.reps}) | vs D2D copy | receiver receive() ms | receiver peak extra GPU memory | 2 buckets |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     version = 0
     for layout, model in (("packed", packed), ("in place", flat)):
         for mib in [int(x) for x in args.buckets_mib.split(",")]:
@@ -67,14 +98,19 @@ async def main() -> None:
                 zero_copy_min_bytes=None if layout == "packed" else 128 * MiB
             )
             mgr = CheckpointEngineManager(backend, bucket_bytes=mib * MiB, phase_timeout_s=300)
-            times, peak = [], 0
+            times, peak, recv_s = [], 0, []
             try:
                 for rep in range(args.reps + 1):  # the first sync opens the IPC handles: not timed
                     version += 1
+                    receiver.profile_next = args.profile and rep == args.reps
+                    _PROFILE_NEXT[0] = receiver.profile_next
                     res = await mgr.sync(model.items(), version, {"r": receiver})
                     assert res.ok, res.failed
+                    if receiver.profile_next:
+                        print("## phases", {k: round(v * 1e3, 2) for k, v in res.phase_s.items()})
                     if rep:
                         times.append(res.phase_s["transfer"])
+                        recv_s.append(receiver.last[1])
                     peak = max(peak, receiver.last[3])
                 assert receiver.call("digest")[0] == refs[layout], "received model differs"
             finally:
@@ -82,7 +118,7 @@ async def main() -> None:
             med, best = sorted(times)[len(times) // 2], min(times)
             g_med, g_best = nbytes / med / 1e9, nbytes / best / 1e9
             print(
-                f"| {layout} | {mib} MiB | {g_med:.0f} / {g_best:.0f} | {g_med / ceiling:.0%} | "
+                f"| {layout} | {mib} MiB | {g_med:.0f} / {g_best:.0f} | {g_med / ceiling:.0%} | {sorted(recv_s)[len(recv_s) // 2] * 1e3:.1f} | "
                 f"{peak / MiB:.0f} MiB | {2 * mib} MiB |"
             )
     receiver.close()

@@ -18,12 +18,20 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from offbeat.ckpt_engine._wire import Conn, Listener, connect
-from offbeat.ckpt_engine.bucket import Entry, Reassembler, checksum, combine, pack, plan_buckets
+from offbeat.ckpt_engine.bucket import (
+    Entry,
+    Reassembler,
+    checksum,
+    combine,
+    dtype_from_str,
+    pack,
+    plan_buckets,
+)
 from offbeat.ckpt_engine.errors import ChecksumError, PeerError, StaleVersionError
 from offbeat.ckpt_engine.registry import NamedTensors, Sender, SendReport
 from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec
@@ -247,6 +255,59 @@ class SharedBufferSender(Sender):
         return report
 
 
+class _ViewCache:
+    """Zero-copy views of whole tensors, kept across syncs: the same model streamed the
+    same way lands at the same offsets of the same buffers every time, and building
+    hundreds of views per sync costs more host time than the device copies they feed.
+
+    A cache holds its base tensors (so their ids stay unique) and is trimmed after each
+    sync to the bases that sync used."""
+
+    _caches: ClassVar[dict[str, _ViewCache]] = {}
+
+    def __init__(self) -> None:
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._bases: dict[int, torch.Tensor] = {}
+        self._used: set[int] = set()
+
+    @classmethod
+    def get(cls, key: str) -> _ViewCache:
+        return cls._caches.setdefault(key, cls())
+
+    def take(
+        self,
+        entries: list[list],
+        buffer: torch.Tensor,
+        ext_at: dict[int, tuple[torch.Tensor, int]],
+        reasm: Reassembler,
+    ) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for i, e in enumerate(entries):
+            name, dtype, shape, offset, nbytes, start, total = e
+            base, at = ext_at.get(i, (buffer, offset))
+            if start or nbytes != total or not nbytes:  # split or empty: the slow path
+                piece = base[at : at + nbytes]
+                out.extend(
+                    reasm.take([Entry(name, dtype, tuple(shape), 0, nbytes, start, total)], piece)
+                )
+                continue
+            self._bases[id(base)] = base
+            self._used.add(id(base))
+            key = (id(base), at, nbytes, dtype, *shape)
+            t = self._views.get(key)
+            if t is None:
+                t = base[at : at + nbytes].view(dtype_from_str(dtype)).view(shape)
+                self._views[key] = t
+            out.append((name, t))
+        return out
+
+    def trim(self) -> None:
+        for b in [b for b in self._bases if b not in self._used]:
+            del self._bases[b]
+        self._views = {k: v for k, v in self._views.items() if k[0] in self._used}
+        self._used = set()
+
+
 def check_version(spec: ReceiveSpec, current_version: int | None) -> None:
     if current_version is not None and spec.version < current_version:
         raise StaleVersionError(spec.version, current_version)
@@ -257,10 +318,16 @@ def receive_shared(
     load_weights: LoadWeightsFn,
     current_version: int | None,
     attach,
-    fence=lambda: None,
+    mark=lambda: None,
     open_storage=None,
 ) -> int:
-    """The receiver's loop: attach the buffers, then load and ack bucket after bucket."""
+    """The receiver's loop: attach the buffers, then load and ack bucket after bucket.
+
+    `mark()` is called after each `load_weights`; it returns None once the copies out of the
+    bucket are done (host memory), or an object whose `synchronize()` waits for them (a
+    device event). Then the ack is held back while the next bucket is already there, so the
+    device copies of one bucket overlap launching the next; it is sent before blocking.
+    """
     ch = spec.channel
     stale: StaleVersionError | None = None
     try:
@@ -269,6 +336,7 @@ def receive_shared(
         stale = e
     buffers = None if stale else attach(ch)
     conn = connect(ch["address"], spec.timeout_s)
+    views = _ViewCache.get(f"{spec.backend}/{spec.rank}")
     try:
         hello: dict[str, Any] = {"token": ch["token"], "rank": spec.rank}
         if stale is not None:
@@ -279,7 +347,19 @@ def receive_shared(
         reasm = Reassembler()
         storages: dict[int, torch.Tensor] = {}
         expected = 0
+        pending: tuple[int, Any] | None = None
+
+        def flush() -> None:
+            nonlocal pending
+            if pending is not None:
+                index, event = pending
+                pending = None
+                event.synchronize()  # copies out of the bucket done before giving it back
+                conn.send({"type": "ack", "index": index})
+
         while True:
+            if pending is not None and not conn.ready():
+                flush()  # never block while holding an ack the sender may wait for
             # Before the first bucket the sender may spend a whole timeout waiting for
             # other receivers to connect.
             msg = conn.recv(spec.timeout_s * (2 if expected == 0 else 1))
@@ -287,6 +367,7 @@ def receive_shared(
             if kind == "abort":
                 raise PeerError(f"the sender aborted the sync: {msg.get('reason')}")
             if kind == "end":
+                flush()
                 if msg["buckets"] != expected:
                     raise PeerError(
                         f"sender ended after {msg['buckets']} buckets, received {expected}"
@@ -303,22 +384,28 @@ def receive_shared(
                         "the sender shared storages in place; this backend cannot open them"
                     )
                 storages[int(sid)] = open_storage(pickle.loads(base64.b64decode(blob)))
-            ext = {
-                int(i): storages[sid][off : off + msg["entries"][int(i)][4]]
-                for i, (sid, off) in msg.get("ext", {}).items()
-            }
+            entries = msg["entries"]
+            ext_at = {int(i): (storages[sid], off) for i, (sid, off) in msg.get("ext", {}).items()}
             if spec.checksum:
-                got = combine(checksum(view), *(checksum(ext[i]) for i in sorted(ext)))
+                got = combine(
+                    checksum(view),
+                    *(checksum(b[o : o + entries[i][4]]) for i, (b, o) in sorted(ext_at.items())),
+                )
                 if got != msg["checksum"]:
                     err = ChecksumError(msg["index"], msg["checksum"], got)
                     conn.send({"type": "error", "reason": str(err)})
                     raise err
-            tensors = reasm.take([Entry.from_json(e) for e in msg["entries"]], view, ext)
+            tensors = views.take(entries, buffers[msg["slot"]], ext_at, reasm)
             if tensors:
                 load_weights(tensors)
-            del tensors, view, ext
-            fence()  # copies out of the buffer are complete before the buffer is given back
-            conn.send({"type": "ack", "index": expected})
+            del tensors, view
+            event = mark()
+            flush()  # the previous bucket: its copies were queued before this one's
+            if event is None:
+                conn.send({"type": "ack", "index": expected})
+            else:
+                pending = (expected, event)
             expected += 1
     finally:
         conn.close()
+        views.trim()

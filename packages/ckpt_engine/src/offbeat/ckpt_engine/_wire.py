@@ -36,6 +36,14 @@ class Conn:
         except OSError as e:
             raise PeerError(f"{self.peer}: connection lost while sending ({e})") from e
 
+    def ready(self) -> bool:
+        """Whether a message (or EOF) is waiting to be read."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return True  # let recv report it
+        return bool(readable)
+
     def recv(self, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         (n,) = _HEADER.unpack(self._read(_HEADER.size, deadline, timeout_s))

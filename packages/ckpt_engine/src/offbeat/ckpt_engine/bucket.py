@@ -94,10 +94,19 @@ class Bucket:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's bytes (a contiguous copy only if it is strided)."""
-    t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return t.detach().view(-1).view(torch.uint8)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def plan_buckets(
@@ -127,7 +136,7 @@ def plan_buckets(
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         src = as_bytes(tensor)
         total = src.numel()
-        dtype, shape = str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+        dtype, shape = _dtype_name(tensor.dtype), tuple(tensor.shape)
         if total > bucket_bytes - _align(used) and total <= bucket_bytes and entries:
             yield flush()
         start = 0
@@ -138,7 +147,7 @@ def plan_buckets(
                 off = 0
             n = min(total - start, bucket_bytes - off)
             entries.append(Entry(name, dtype, shape, off, n, start, total))
-            sources.append(src[start : start + n])
+            sources.append(src if n == total else src[start : start + n])
             used = off + n
             start += n
             if start >= total:

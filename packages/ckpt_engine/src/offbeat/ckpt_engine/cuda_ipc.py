@@ -175,12 +175,15 @@ class CudaIpcBackend(Backend):
             used.add((bytes(args[7]), args[8], args[9], tuple(args[1]), args[3]))
             return _open(args, device[0])
 
-        def fence() -> None:
-            # load_weights may have queued its copies on any stream of the buffers' device.
-            torch.cuda.synchronize(device[0])
+        def mark() -> torch.cuda.Event:
+            # load_weights queues its copies on the current stream; they are done when
+            # this event is (waited on before the bucket is acked).
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device[0]))
+            return event
 
         try:
-            return receive_shared(spec, load_weights, current_version, attach, fence, open_storage)
+            return receive_shared(spec, load_weights, current_version, attach, mark, open_storage)
         finally:
             with _OPENED_LOCK:  # forget what this sync no longer offered
                 for key in [k for k in _OPENED if k not in used]:
