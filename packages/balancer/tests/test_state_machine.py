@@ -32,10 +32,12 @@ class BalancerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["least_inflight", "round_robin", "power_of_two", "prefix"]),
         initial=st.lists(st.sampled_from(IDS), unique=True, max_size=4),
         seed=st.integers(0, 3),
+        cap=st.sampled_from([None, None, 3, 5]),
     )
-    def setup(self, policy, initial, seed):
+    def setup(self, policy, initial, seed, cap):
         self.policy = policy
-        self.lb = LoadBalancer(initial, policy=policy, seed=seed)
+        self.cap = cap
+        self.lb = LoadBalancer(initial, policy=policy, seed=seed, max_inflight=cap)
         self.incs = 0
         self.model: dict[str, _ModelServer] = {}
         for sid in initial:
@@ -84,11 +86,15 @@ class BalancerMachine(RuleBasedStateMachine):
         group=st.sampled_from([None, "g1", "g2"]),
     )
     def acquire(self, rid, cost, prompt, group):
-        accepting = [s for s, m in self.model.items() if m.accepting]
+        accepting = [
+            s
+            for s, m in self.model.items()
+            if m.accepting and (self.cap is None or m.count + cost <= self.cap)
+        ]
         try:
             lease = self.lb.acquire(rid, group_id=group, prompt_ids=prompt, cost=cost)
         except NoServerAvailable:
-            assert not accepting
+            assert not accepting, f"refused although {accepting} have room"
             return
         sid = lease.server_id
         assert sid in accepting, f"lease to {sid} but accepting servers are {accepting}"
@@ -96,7 +102,7 @@ class BalancerMachine(RuleBasedStateMachine):
         prev = self.sticky.get(rid)
         if prev is not None and prev[0] in self.model:
             pm = self.model[prev[0]]
-            if pm.inc == prev[1] and pm.accepting:
+            if pm.inc == prev[1] and prev[0] in accepting:
                 assert sid == prev[0], "sticky session moved off a healthy active server"
         elif self.policy == "least_inflight":
             assert m.count == min(self.model[s].count for s in accepting)
@@ -127,6 +133,8 @@ class BalancerMachine(RuleBasedStateMachine):
     @invariant()
     def counts_are_exact(self):
         status = self.lb.status()
+        if self.cap is not None:
+            assert all(c <= self.cap for c in status["servers"].values())
         assert status["servers"] == {s: m.count for s, m in self.model.items()}
         assert all(c >= 0 for c in status["servers"].values())
         open_cost = sum(
