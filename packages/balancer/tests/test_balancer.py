@@ -27,6 +27,11 @@ def test_a_bare_string_is_rejected_with_a_hint():
         LoadBalancer("abc")
 
 
+def test_server_ids_must_be_strings():
+    with pytest.raises(TypeError, match="server ids must be str"):
+        LoadBalancer({1: "x"})
+
+
 def test_unknown_policy_names_the_valid_choices():
     with pytest.raises(ValueError, match=r"least_inflight.*power_of_two.*prefix.*round_robin"):
         LoadBalancer(["a"], policy="fastest")

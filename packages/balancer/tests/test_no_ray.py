@@ -17,12 +17,12 @@ def test_core_runs_when_ray_init_raises(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the core must never start Ray")
 
-    fake = types.ModuleType("ray")
+    if "ray" in sys.modules:  # a real Ray another test imported: its init raises too
+        monkeypatch.setattr(sys.modules["ray"], "init", boom)
+    fake = types.ModuleType("ray")  # and any fresh `import ray` gets one that raises
     fake.init = boom
     fake.remote = boom
     monkeypatch.setitem(sys.modules, "ray", fake)
-    if "ray" in sys.modules:  # also patch a real Ray another test imported
-        monkeypatch.setattr(sys.modules["ray"], "init", boom)
     lb = LoadBalancer(["a", "b"], policy="prefix")
     lb.release(lb.acquire("r", prompt_ids=list(range(32))))
     actor = BalancerActor(["a"])
