@@ -268,6 +268,26 @@ def test_sticky_capacity_zero_disables_stickiness():
     assert lb.clear_sticky() == 0
 
 
+@pytest.mark.parametrize(("limit", "moves"), [(2, True), (None, False)])
+def test_sticky_sessions_can_leave_an_overloaded_server(limit, moves):
+    lb = LoadBalancer(ids(2), sticky_max_imbalance=limit)
+    home = lb.acquire("conv").server_id
+    other = ({"s0", "s1"} - {home}).pop()
+    lb.mark_unhealthy(other)
+    for i in range(4):
+        lb.acquire(f"pile{i}")  # all on home: 5 vs 0
+    lb.mark_healthy(other)
+    assert (lb.acquire("conv").server_id == other) is moves
+    if moves:
+        assert lb.acquire("conv").server_id == other  # remapped: it stays there now
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5])
+def test_bad_sticky_max_imbalance(bad):
+    with pytest.raises(ValueError, match="sticky_max_imbalance"):
+        LoadBalancer(["a"], sticky_max_imbalance=bad)
+
+
 # ---- capacity ---------------------------------------------------------------------------------
 def test_max_inflight_caps_each_server():
     lb = LoadBalancer(["a", "b"], max_inflight=2)

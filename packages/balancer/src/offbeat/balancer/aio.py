@@ -36,6 +36,7 @@ class AsyncLoadBalancer:
         sticky_capacity: int = 10_000,
         seed: int | None = None,
         max_inflight: int | None = None,
+        sticky_max_imbalance: int | None = None,
         balancer: LoadBalancer | None = None,
     ) -> None:
         if balancer is None:
@@ -45,6 +46,7 @@ class AsyncLoadBalancer:
                 sticky_capacity=sticky_capacity,
                 seed=seed,
                 max_inflight=max_inflight,
+                sticky_max_imbalance=sticky_max_imbalance,
             )
         elif servers is not None:
             raise TypeError("pass either servers (and options) or balancer=, not both")

@@ -46,6 +46,8 @@ class LoadBalancer:
     `seed`: seeds the policies' randomness and the initial order among equal loads.
     `max_inflight`: optional per-server cap on in-flight cost; a full pool raises
     `NoServerAvailable` (the async wrapper waits instead).
+    `sticky_max_imbalance`: optional; a sticky request leaves its server when that server's
+    in-flight cost exceeds the least loaded server's by more than this (None: never).
     """
 
     def __init__(
@@ -56,9 +58,17 @@ class LoadBalancer:
         sticky_capacity: int = 10_000,
         seed: int | None = None,
         max_inflight: int | None = None,
+        sticky_max_imbalance: int | None = None,
     ) -> None:
         if type(sticky_capacity) is not int or sticky_capacity < 0:
             raise ValueError(f"sticky_capacity must be an int >= 0, got {sticky_capacity!r}")
+        if sticky_max_imbalance is not None and (
+            type(sticky_max_imbalance) is not int or sticky_max_imbalance < 0
+        ):
+            raise ValueError(
+                f"sticky_max_imbalance must be an int >= 0 or None, got {sticky_max_imbalance!r}"
+            )
+        self._sticky_max_imbalance = sticky_max_imbalance
         self._lock = threading.Lock()
         self._pool = ServerPool(seed=seed, max_inflight=max_inflight)
         self._policy = make_policy(policy)
@@ -91,7 +101,12 @@ class LoadBalancer:
             sticky = self._sticky
             pool = self._pool
             srv = sticky.get(request_id)
-            if srv is not None and srv.accepting and pool.has_room(srv, cost):
+            if (
+                srv is not None
+                and srv.accepting
+                and pool.has_room(srv, cost)
+                and (self._sticky_max_imbalance is None or self._sticky_fits(srv, cost))
+            ):
                 sticky.move_to_end(request_id)
             else:
                 stale = srv is not None
@@ -246,6 +261,11 @@ class LoadBalancer:
     def _notify(self, kind: str) -> None:
         for cb in self._listeners:  # a copy-on-write list: safe to iterate without the lock
             cb(kind)
+
+    def _sticky_fits(self, srv: Server, cost: int) -> bool:
+        """Whether a sticky server is not overloaded beyond `sticky_max_imbalance`."""
+        least = self._pool.least_loaded(cost)
+        return least is None or srv.inflight - least.inflight <= self._sticky_max_imbalance
 
     def _why_none(self, cost: int) -> str:
         every = self._pool.all()
