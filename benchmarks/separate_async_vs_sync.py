@@ -30,7 +30,7 @@ def long_tailed_rows(n: int, seed: int, median: float, sigma: float, cap: int) -
     from offbeat.core.tasks import make_rows
 
     rng = random.Random(seed)
-    rows = make_rows("add", n, seed=seed, max_len=1)
+    rows = make_rows("add", n, seed=seed, min_len=1, max_len=1)
     for row in rows:
         length = min(cap, max(2, round(math.exp(rng.gauss(math.log(median), sigma)))))
         row["sampling"] = {"max_tokens": length, "ignore_eos": True}
@@ -105,7 +105,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="offbeat-bench-"))
     rows = long_tailed_rows(512, 0, args.median, args.sigma, 96)
     write_parquet(rows, tmp / "train.parquet")
-    write_parquet(make_rows("add", 8, seed=1, max_len=1), tmp / "val.parquet")
+    write_parquet(make_rows("add", 8, seed=1, min_len=1, max_len=1), tmp / "val.parquet")
     lengths = sorted(r["sampling"]["max_tokens"] for r in rows)
     print(
         f"response lengths (tokens): median {lengths[len(lengths) // 2]}, "

@@ -72,11 +72,11 @@ def world(tmp_path_factory):
     import ray
 
     tmp = tmp_path_factory.mktemp("separate_async")
-    rows = make_rows("add", 256, seed=0, max_len=1)
+    rows = make_rows("add", 256, seed=0, min_len=1, max_len=1)
     for i, row in enumerate(rows):  # long-tailed lengths: every 4th prompt is a straggler
         row["sampling"] = {"max_tokens": 40, "ignore_eos": True} if i % 4 == 0 else {}
     write_parquet(rows, tmp / "train.parquet")
-    write_parquet(make_rows("add", 8, seed=1, max_len=1), tmp / "val.parquet")
+    write_parquet(make_rows("add", 8, seed=1, min_len=1, max_len=1), tmp / "val.parquet")
     cfg = config(tmp, "world")
     init_ray(cfg.runtime)
     prepared = prepare(cfg)

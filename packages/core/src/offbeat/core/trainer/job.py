@@ -146,8 +146,15 @@ def resolve_data(cfg: RunConfig, out_dir: Path) -> tuple[list[str], list[str]]:
 
 
 def init_ray(rt: RuntimeConfig) -> None:
+    # Under `uv run`, Ray would start every worker through `uv run` again with the
+    # working directory uploaded as a package (minutes per worker here); workers of a
+    # job share the driver's environment, so use its interpreter directly.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     import ray
+    from ray._private import ray_constants
 
+    if os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] in ("0", "false", "False"):
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     if ray.is_initialized():
         return
     if rt.ray_address:
