@@ -71,12 +71,16 @@ def rows_of(batch: dict, start: int, stop: int) -> dict:
 
 
 def make_engine(
-    model_dir: Path, micro_batch_size: int = 4, loss: PPOLossConfig | None = None, **optim
+    model_dir: Path,
+    micro_batch_size: int = 4,
+    loss: PPOLossConfig | None = None,
+    device: str = "cpu",
+    **optim,
 ) -> FSDP2TrainEngine:
     defaults = {"lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1.0}
     config = FSDP2Config(
         model_path=str(model_dir),
-        device="cpu",
+        device=device,
         micro_batch_size=micro_batch_size,
         optim=OptimConfig(**{**defaults, **optim}),
     )
@@ -92,12 +96,12 @@ def with_old_log_probs(engine: FSDP2TrainEngine, batch: dict) -> dict:
 
 
 def params_of(engine: FSDP2TrainEngine) -> dict[str, torch.Tensor]:
-    return {name: t.clone() for name, t in engine.export_weights()}
+    return {name: t.cpu().clone() for name, t in engine.export_weights()}
 
 
 def grads_of(engine: FSDP2TrainEngine) -> dict[str, torch.Tensor]:
     """The last update's gradients (collective under FSDP: every rank calls it)."""
-    return {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
+    return {n: p.grad.full_tensor().cpu() for n, p in engine.model.named_parameters()}
 
 
 EPS = 1e-3
@@ -341,18 +345,18 @@ def test_update_without_response_tokens_is_refused(model_dir):
 ROWS, SEED = 8, 21
 
 
-def _reference_update(model_dir: Path) -> tuple[tuple[dict, dict], dict]:
-    engine = make_engine(model_dir, micro_batch_size=3, eps=EPS)
+def _reference_update(model_dir: Path, device: str = "cpu") -> tuple[tuple[dict, dict], dict]:
+    engine = make_engine(model_dir, micro_batch_size=3, device=device, eps=EPS)
     batch = with_old_log_probs(engine, make_batch(ROWS, seed=SEED))
     metrics = engine.update(batch)
     return (params_of(engine), grads_of(engine)), metrics
 
 
-def _worker(model_dir: str, out: str) -> None:
-    """One rank of the 2-process run: its half of the same mini-batch."""
-    dist.init_process_group("gloo")
+def _worker(model_dir: str, out: str, device: str) -> None:
+    """One rank of the 2-process run: its half of the same mini-batch. The engine joins
+    the group torchrun describes (gloo on CPU; gloo + nccl on CUDA, one GPU per rank)."""
+    engine = make_engine(Path(model_dir), micro_batch_size=3, device=device, eps=EPS)
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine = make_engine(Path(model_dir), micro_batch_size=3, eps=EPS)
     full = make_batch(ROWS, seed=SEED)
     # Uneven shards (3 and 5 rows) make the ranks run different micro-batch counts.
     cut = 3
@@ -367,17 +371,33 @@ def _worker(model_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_two_gloo_processes_match_one_process(model_dir, tmp_path):
+def _run_two_ranks(model_dir: Path, out: Path, device: str) -> dict:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        __file__, "--worker", str(model_dir), str(tmp_path),
+        __file__, "--worker", str(model_dir), str(out), "--device", device,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = torch.load(tmp_path / "r.pt")
+    got = torch.load(out / "r.pt")
     assert got["world"] == 2
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_nccl_ranks_match_one_rank(model_dir, tmp_path):
+    got = _run_two_ranks(model_dir, tmp_path, "cuda")
+    if dist.is_initialized():  # a CPU-only group from the tests above cannot run nccl
+        dist.destroy_process_group()
+    want_update, want_metrics = _reference_update(model_dir, device="cuda")
+    assert_same_update(got["update"], want_update)
+    assert got["metrics"]["actor/loss"] == pytest.approx(want_metrics["actor/loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_process(model_dir, tmp_path):
+    got = _run_two_ranks(model_dir, tmp_path, "cpu")
     want_update, want_metrics = _reference_update(model_dir)
     assert_same_update(got["update"], want_update)
     assert got["metrics"]["actor/loss"] == pytest.approx(want_metrics["actor/loss"], rel=1e-5)
@@ -431,4 +451,6 @@ def test_cuda_bf16_engine_trains_exports_and_restores(model_dir, tmp_path):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT"), required=True)
-    _worker(*parser.parse_args().worker)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    _worker(*args.worker, args.device)
