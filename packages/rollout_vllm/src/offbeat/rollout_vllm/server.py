@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,10 @@ class VLLMServerConfig:
     weight_version: int = 0
     # How long abort_all() waits for aborted calls to return before it raises.
     abort_timeout_s: float = 60.0
+    # gc.freeze() once the engine is up (as vLLM's own API server does): the startup heap
+    # (torch, transformers, vLLM) moves out of the collector's reach, so the full
+    # collections that the hot path's allocations trigger stay cheap. Process-wide.
+    freeze_gc: bool = True
 
 
 class VLLMRolloutServer:
@@ -87,6 +92,9 @@ class VLLMRolloutServer:
             raise ValueError(f"VLLMServerConfig.engine_kwargs: {e}") from e
         self._sleep_mode = self._sleep_mode_available and bool(args.enable_sleep_mode)
         self.engine: AsyncLLM = AsyncLLM.from_engine_args(args)
+        if config.freeze_gc:
+            gc.collect()
+            gc.freeze()
         self._max_model_len: int = self.engine.model_config.max_model_len
         self._vocab_size: int = self.engine.model_config.get_vocab_size()
         self._weight_version = config.weight_version
@@ -140,19 +148,26 @@ class VLLMRolloutServer:
             raise ValueError(
                 f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}"
             )
-        ids = list(prompt_ids)
-        if not ids:
+        if not prompt_ids:
             raise ValueError("prompt_ids is empty: at least one token id is needed")
-        if len(ids) >= self._max_model_len:
+        if len(prompt_ids) >= self._max_model_len:
             raise ValueError(
-                f"prompt of {len(ids)} tokens leaves no room to generate: the engine's "
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate: the engine's "
                 f"max_model_len is {self._max_model_len}"
             )
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._vocab_size:
-                raise ValueError(
-                    f"prompt_ids contains {t!r}: token ids are ints in [0, {self._vocab_size})"
-                )
+        try:
+            # operator.index accepts ints (numpy's too) and refuses floats and strings.
+            ids = list(map(operator.index, prompt_ids))
+        except TypeError:
+            bad = next(t for t in prompt_ids if not hasattr(t, "__index__"))
+            raise ValueError(
+                f"prompt_ids contains {bad!r}: token ids are ints in [0, {self._vocab_size})"
+            ) from None
+        if min(ids) < 0 or max(ids) >= self._vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self._vocab_size)
+            raise ValueError(
+                f"prompt_ids contains {bad!r}: token ids are ints in [0, {self._vocab_size})"
+            )
         return ids
 
     async def generate(
