@@ -73,7 +73,7 @@ def model_digest(model: dict[str, torch.Tensor]) -> int:
     return combine(*(checksum(t.reshape(-1).view(torch.uint8)) for t in model.values()))
 
 
-def receiver_main(cmds, results, shapes, dtype, device) -> None:
+def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -> None:
     """A receiving process: a pre-allocated model and a loop over commands."""
     from offbeat.ckpt_engine import receive
 
@@ -89,6 +89,13 @@ def receiver_main(cmds, results, shapes, dtype, device) -> None:
     held = 0
 
     def load_weights(pairs):
+        if loader == "memcpy":  # a host loader that copies with one memcpy per tensor
+            import numpy as np
+
+            for name, t in pairs:
+                dst = model[name].view(-1).view(torch.uint8).numpy()
+                np.copyto(dst, t.reshape(-1).view(torch.uint8).numpy())
+            return
         for name, t in pairs:
             model[name].copy_(t)
 
@@ -160,6 +167,16 @@ def receiver_main(cmds, results, shapes, dtype, device) -> None:
                     )
                 del src, views
                 results.put(("ok", best))
+            elif cmd[0] == "host_load_floor":  # load_weights alone, from a private copy
+                src = {n: t.clone() for n, t in model.items()}
+                best = 0.0
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    load_weights(list(src.items()))
+                    nb = sum(t.numel() * t.element_size() for t in src.values())
+                    best = max(best, nb / (time.perf_counter() - t0) / 1e9)
+                del src
+                results.put(("ok", best))
             elif cmd[0] == "gloo_bcast":  # the ceiling: one raw gloo broadcast of the same bytes
                 import datetime
 
@@ -185,10 +202,12 @@ def receiver_main(cmds, results, shapes, dtype, device) -> None:
 class ReceiverProcess:
     """A SyncTarget whose model lives in a spawned `receiver_main` process."""
 
-    def __init__(self, ctx, shapes, dtype, device: str) -> None:
+    def __init__(self, ctx, shapes, dtype, device: str, loader: str = "torch") -> None:
         self.cmds, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
-            target=receiver_main, args=(self.cmds, self.results, shapes, dtype, device), daemon=True
+            target=receiver_main,
+            args=(self.cmds, self.results, shapes, dtype, device, loader),
+            daemon=True,
         )
         self.proc.start()
         ready = self.results.get(timeout=600)

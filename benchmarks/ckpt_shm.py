@@ -45,8 +45,11 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--tensors", type=int, default=200)
-    ap.add_argument("--buckets-mib", default="32,128,256")
+    ap.add_argument("--buckets-mib", default="16,32,64,256")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--loaders", default="torch,memcpy", help="receiver load_weights: torch copy_ or memcpy"
+    )
     args = ap.parse_args()
 
     shapes = shapes_for(int(args.gib * GiB), args.tensors, rows=1024)
@@ -54,42 +57,49 @@ async def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in model.values())
     ref = model_digest(model)
     ctx = mp.get_context("spawn")
-    receiver = ReceiverProcess(ctx, shapes, torch.bfloat16, "cpu")
     print(f"# ckpt_shm: {len(model)} bf16 tensors, {nbytes / GiB:.3f} GiB; {lock_note()}")
     base = memcpy_gbps(nbytes)
     print(f"one-thread memcpy of the same bytes (numpy copyto): {base:.2f} GB/s")
     print()
     print(
-        f"| bucket | effective GB/s (median / best of {args.reps}) | vs memcpy "
+        f"| receiver loader | bucket | effective GB/s (median / best of {args.reps}) | vs memcpy "
         "| sender peak extra RSS | receiver peak extra RSS | 2 buckets |"
     )
-    print("|---|---|---|---|---|---|")
-    rows, version = [], 0
-    for mib in [int(x) for x in args.buckets_mib.split(",")]:
-        mgr = CheckpointEngineManager("shm", bucket_bytes=mib * MiB, phase_timeout_s=300)
-        try:
-            rss0 = proc_status("VmRSS")
-            reset_peak_rss()
-            times, recv_peak = [], 0
-            for rep in range(args.reps + 1):  # the first sync maps the buffers: not timed
-                version += 1
-                res = await mgr.sync(model.items(), version, {"r": receiver})
-                assert res.ok, res.failed
-                if rep:
-                    times.append(res.phase_s["transfer"])
-                recv_peak = max(recv_peak, receiver.last[2])
-            send_peak = proc_status("VmHWM") - rss0
-            assert receiver.call("digest")[0] == ref, "received model differs"
-        finally:
-            mgr.close()
-        med, best = sorted(times)[len(times) // 2], min(times)
-        g_med, g_best = nbytes / med / 1e9, nbytes / best / 1e9
-        rows.append((mib, g_med))
+    print("|---|---|---|---|---|---|---|")
+    version, floors = 0, {}
+    for loader in args.loaders.split(","):
+        receiver = ReceiverProcess(ctx, shapes, torch.bfloat16, "cpu", loader=loader)
+        (floors[loader],) = receiver.call("host_load_floor")
+        for mib in [int(x) for x in args.buckets_mib.split(",")]:
+            mgr = CheckpointEngineManager("shm", bucket_bytes=mib * MiB, phase_timeout_s=300)
+            try:
+                rss0 = proc_status("VmRSS")
+                reset_peak_rss()
+                times, recv_peak = [], 0
+                for rep in range(args.reps + 1):  # the first sync maps the buffers: not timed
+                    version += 1
+                    res = await mgr.sync(model.items(), version, {"r": receiver})
+                    assert res.ok, res.failed
+                    if rep:
+                        times.append(res.phase_s["transfer"])
+                    recv_peak = max(recv_peak, receiver.last[2])
+                send_peak = proc_status("VmHWM") - rss0
+                assert receiver.call("digest")[0] == ref, "received model differs"
+            finally:
+                mgr.close()
+            med, best = sorted(times)[len(times) // 2], min(times)
+            g_med, g_best = nbytes / med / 1e9, nbytes / best / 1e9
+            print(
+                f"| {loader} | {mib} MiB | {g_med:.2f} / {g_best:.2f} | {g_med / base:.0%} | "
+                f"{send_peak / MiB:.0f} MiB | {recv_peak / MiB:.0f} MiB | {2 * mib} MiB |"
+            )
+        receiver.close()
+    print()
+    print(f"one-thread memcpy again, after the syncs: {memcpy_gbps(nbytes):.2f} GB/s")
+    for loader, g in floors.items():
         print(
-            f"| {mib} MiB | {g_med:.2f} / {g_best:.2f} | {g_med / base:.0%} | {send_peak / MiB:.0f} MiB | "
-            f"{recv_peak / MiB:.0f} MiB | {2 * mib} MiB |"
+            f"receiver's own load_weights ({loader}) from a private copy, no engine: {g:.2f} GB/s"
         )
-    receiver.close()
     print()
     print("effective GB/s = model bytes / wall time of the manager's transfer phase (sender packs,")
     print(

@@ -65,3 +65,27 @@ async def test_shm_to_another_process(model):
         mgr.close()
         for t in targets.values():
             t.close()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+async def test_spec_survives_plain_data_rpc(backend, model, make_target):
+    """RPC layers (vLLM's msgspec, JSON) turn the spec into a dict of plain data: the
+    receiver must work from that rebuilt spec."""
+    import dataclasses
+    import json
+
+    from offbeat.ckpt_engine import ReceiveSpec
+
+    class DictRpcTarget(type(make_target("x"))):
+        async def update_weights(self, spec):
+            rebuilt = ReceiveSpec(**json.loads(json.dumps(dataclasses.asdict(spec))))
+            return await super().update_weights(rebuilt)
+
+    t = DictRpcTarget("a", [])
+    mgr = CheckpointEngineManager(backend, bucket_bytes=BUCKET, phase_timeout_s=30)
+    try:
+        res = await mgr.sync(model.items(), 1, {"a": t})
+    finally:
+        mgr.close()
+    assert res.succeeded == ["a"], res.failed
+    assert_same(model, t.sink.weights)

@@ -163,18 +163,26 @@ def _stream(
                     _wait(w, timeout_s, f"the last buckets of sender {s}")
             continue
         reasm = Reassembler()
-        k = 0
-        while True:
+
+        def post(k: int, s: int = s):
+            """Fetch bucket k's metadata and post its receive into buffer k % 2."""
             try:
                 meta = json.loads(g.store.get(f"{prefix}/s{s}/b{k}"))
-            except Exception as e:
+            except Exception as err:
                 raise SyncTimeoutError(
-                    f"no bucket {k} from sender {s} within {timeout_s:.1f}s ({e})"
-                ) from e
+                    f"no bucket {k} from sender {s} within {timeout_s:.1f}s ({err})"
+                ) from err
             if meta.get("end"):
-                break
-            view = buffer(0)[: meta["filled"]]
-            _wait(g.broadcast(view, s), timeout_s, f"bucket {k} of sender {s}")
+                return meta, None, None
+            view = buffer(k % 2)[: meta["filled"]]
+            return meta, view, g.broadcast(view, s)
+
+        k = 0
+        meta, view, work = post(0, s)
+        while work is not None:
+            _wait(work, timeout_s, f"bucket {k} of sender {s}")
+            # Bucket k+1 lands in the other buffer while bucket k is loaded.
+            nxt = post(k + 1, s)
             if load_weights is not None and error is None:
                 if verify and "checksum" in meta and (got := checksum(view)) != meta["checksum"]:
                     error = ChecksumError(k, meta["checksum"], got)
@@ -185,6 +193,7 @@ def _stream(
                     del tensors
                     if device.type == "cuda":  # copies out of the buffer done before reuse
                         torch.cuda.synchronize(device)
+            meta, view, work = nxt
             k += 1
         if load_weights is not None and error is None:
             reasm.finish()

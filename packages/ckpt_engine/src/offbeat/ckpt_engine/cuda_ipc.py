@@ -11,6 +11,8 @@ sender's device to its own index, so differing CUDA_VISIBLE_DEVICES do not matte
 
 from __future__ import annotations
 
+import base64
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +49,9 @@ class _CudaPair(BufferPair):
         self._handles = [_describe(b) for b in self.buffers]
 
     def describe(self) -> dict[str, Any]:
-        return {"ipc": list(self._handles), "device_uuid": _uuid(self.device.index)}
+        # Plain strings: RPC layers that re-encode the spec (msgpack, JSON) pass it intact.
+        ipc = [base64.b64encode(pickle.dumps(h)).decode() for h in self._handles]
+        return {"ipc": ipc, "device_uuid": _uuid(self.device.index)}
 
     def fence(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
@@ -105,13 +109,19 @@ def _attach(channel: dict[str, Any]) -> tuple[list[torch.Tensor], int]:
     if not torch.cuda.is_available():
         raise PeerError("cuda_ipc receiver: CUDA is not available in this process")
     index = _local_index(channel["device_uuid"])
-    return [_open(tuple(a), index) for a in channel["ipc"]], index
+    return [_open(a, index) for a in _decode(channel)], index
+
+
+def _decode(channel: dict[str, Any]) -> list[tuple]:
+    return [tuple(pickle.loads(base64.b64decode(a))) for a in channel["ipc"]]
 
 
 class CudaIpcBackend(Backend):
     """Options: `device` (default: the current CUDA device) holds the sender's buffers;
     `zero_copy_min_bytes` (default 128 MiB; None turns it off): pieces of storages at least
     this large are read in place by receivers instead of being packed."""
+
+    default_bucket_bytes = 512 << 20  # see the README's "Bucket size"
 
     def __init__(
         self,
@@ -168,7 +178,7 @@ class CudaIpcBackend(Backend):
         def attach(channel: dict[str, Any]) -> list[torch.Tensor]:
             buffers, index = _attach(channel)
             device.append(index)
-            used.update((bytes(a[7]), a[8], a[9], tuple(a[1]), a[3]) for a in channel["ipc"])
+            used.update((bytes(a[7]), a[8], a[9], tuple(a[1]), a[3]) for a in _decode(channel))
             return buffers
 
         def open_storage(args: tuple) -> torch.Tensor:
