@@ -29,20 +29,19 @@ from offbeat.ckpt_engine.registry import (
 )
 from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec, SyncTarget
 
+# The two sides: receive + ReceiveSpec/SyncTarget/LoadWeightsFn (where the model lives),
+# CheckpointEngineManager/SyncResult/PHASES (the trainer); backends: Backend, Sender,
+# SendReport, backends, get_backend, register_backend; bucketing shared by every backend:
+# ALIGN, Entry, Reassembler, plan_buckets; errors: *Error.
 __all__ = [
-    # bucketing, shared by every backend
     "ALIGN",
-    # lifecycle
     "DEFAULT_BUCKET_BYTES",
     "PHASES",
-    # backends
     "Backend",
     "CheckpointEngineError",
     "CheckpointEngineManager",
-    # errors
     "ChecksumError",
     "Entry",
-    # the receiving side's contract
     "LoadWeightsFn",
     "PeerError",
     "Reassembler",

@@ -19,7 +19,8 @@ def receive(
     """Block until the sync described by `spec` is received; return `spec.version`.
 
     `load_weights` gets lists of (name, tensor); each tensor is valid only until it returns
-    (it may be a view of a buffer that is then refilled), so it must copy. Raises
+    (it may be a view of a buffer that is then refilled), so it must copy, queue any device
+    copies on the current stream, and leave the tensors' metadata alone. Raises
     StaleVersionError when `spec.version < current_version`, ChecksumError on corruption,
     PeerError when the sender goes away, SyncTimeoutError (a TimeoutError) when a wait
     runs past `spec.timeout_s`. On any error the model may hold a mix of old and new
