@@ -85,6 +85,14 @@ def summarise(mode: str, summary: dict) -> dict:
     }
 
 
+def on_model(prepared, cfg):
+    import dataclasses
+
+    path = str(prepared.model_dir)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+    return type(prepared)(cfg, prepared.model_dir, cfg.data.train_files, [], 0.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
@@ -119,11 +127,11 @@ def main() -> None:
     try:
         # A short unmeasured run first, so neither measured run pays for first-use costs.
         _, warm = load_recipe_config("separate_async", overrides(tmp, "warmup", 2))
-        p = type(prepared)(warm, prepared.model_dir, warm.data.train_files, [], 0.0)
+        p = on_model(prepared, warm)
         asyncio.run(run_with_replicas(p, servers))
         for mode in ("sync", "separate_async"):
             _, cfg = load_recipe_config("separate_async", overrides(tmp, mode, args.steps))
-            p = type(prepared)(cfg, prepared.model_dir, cfg.data.train_files, [], 0.0)
+            p = on_model(prepared, cfg)
             t0 = time.perf_counter()
             summary = asyncio.run(run_with_replicas(p, servers))
             print(f"{mode}: done in {time.perf_counter() - t0:.1f}s", flush=True)

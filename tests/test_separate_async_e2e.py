@@ -10,6 +10,7 @@ keep counting up across scenarios (each run starts from the version the replicas
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -86,9 +87,15 @@ def world(tmp_path_factory):
     ray.shutdown()
 
 
+def on_world(prepared, cfg):
+    """`cfg` on the world's prepared model (the replicas serve it)."""
+    path = str(prepared.model_dir)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+    return type(prepared)(cfg, prepared.model_dir, cfg.data.train_files, cfg.data.val_files, 0.0)
+
+
 def run(tmp, prepared, servers, cfg, **kw):
-    p = type(prepared)(cfg, prepared.model_dir, cfg.data.train_files, cfg.data.val_files, 0.0)
-    return asyncio.run(run_with_replicas(p, servers, **kw))
+    return asyncio.run(run_with_replicas(on_world(prepared, cfg), servers, **kw))
 
 
 def metric_rows(summary) -> list[dict]:
@@ -184,11 +191,7 @@ def test_one_of_two_replicas_killed_mid_run(world):
     victim = servers["rollout-1"]
 
     async def main():
-        task = asyncio.create_task(
-            run_with_replicas(
-                type(prepared)(cfg, prepared.model_dir, cfg.data.train_files, [], 0.0), servers
-            )
-        )
+        task = asyncio.create_task(run_with_replicas(on_world(prepared, cfg), servers))
         metrics = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().strip()):  # after step 1
             await asyncio.sleep(0.05)

@@ -340,6 +340,26 @@ async def test_dead_replica_is_removed_and_training_continues(tmp_path):
     check_accounting(h)
 
 
+async def test_null_per_row_sampling_overrides_are_ignored(tmp_path):
+    rows = make_rows("reverse", 16, seed=2)
+    for i, r in enumerate(rows):  # parquet turns the missing keys into nulls
+        r["sampling"] = {"max_tokens": 3, "ignore_eos": True} if i % 2 else {}
+    write_parquet(rows, tmp_path / "rows.parquet")
+    stored = PromptDataLoader(tmp_path / "rows.parquet", shuffle=False).next(16)
+    assert stored[0]["sampling"] == {"max_tokens": None, "ignore_eos": None}
+    seen = []
+
+    class Client:
+        async def generate(self, request_id, prompt_ids, params):
+            seen.append(dict(params))
+            return TokenOutput([65], [-0.1], "stop", 0)
+
+    agent = SingleTurnAgentLoop(Client(), FakeTokenizer(), RewardRegistry(), {"max_tokens": 8})
+    await agent.sample("g0", stored[0], 1)
+    await agent.sample("g1", stored[1], 1)
+    assert seen == [{"max_tokens": 8}, {"max_tokens": 3, "ignore_eos": True}]
+
+
 def test_settings_reject_unknown_mode():
     with pytest.raises(ValueError, match=r"trainer\.mode='fast'"):
         Trainer(make_settings(mode="fast"), engine=None, buffer=None, driver=None, pool=None,

@@ -100,7 +100,10 @@ class SingleTurnAgentLoop:
             raise
         except Exception as e:
             raise GroupFailed(f"cannot build the prompt: {type(e).__name__}: {e}") from e
-        params = {**self.sampling, **(row.get("sampling") or {}), **(sampling or {})}
+        # Parquet gives every row every key of the column's struct (missing ones as null):
+        # a null override means "not set".
+        overrides = {k: v for k, v in (row.get("sampling") or {}).items() if v is not None}
+        params = {**self.sampling, **overrides, **(sampling or {})}
         outs = await asyncio.gather(
             *(self._generate(f"{uid}-{i}", prompt_ids, params) for i in range(n))
         )
