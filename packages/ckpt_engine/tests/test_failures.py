@@ -128,15 +128,20 @@ async def test_phase_failure_excludes_replica_from_later_phases(model, make_targ
     assert [p for n, p in calls if n == "bad"] == ["abort", "release_kv"]
 
 
-async def test_sender_iterator_error_fails_everyone_cleanly(make_target):
+@pytest.mark.parametrize("backend", NET_BACKENDS)
+async def test_sender_iterator_error_fails_everyone_cleanly(backend, make_target):
     def broken():
-        yield "w", torch.ones(3)
+        yield "w", torch.ones(3000)  # one full bucket goes out first
+        yield "v", torch.ones(3)
         raise ValueError("export blew up")
 
     a = make_target("a")
-    mgr = CheckpointEngineManager("shm", bucket_bytes=BUCKET, phase_timeout_s=10)
-    res = await mgr.sync(broken(), 1, {"a": a})
-    assert res.succeeded == [] and "export blew up" in res.failed["a"]
+    mgr = CheckpointEngineManager(backend, bucket_bytes=BUCKET, phase_timeout_s=60)
+    try:
+        res = await mgr.sync(broken(), 1, {"a": a})
+    finally:
+        mgr.close()
+    assert res.succeeded == [] and "export blew up" in res.failed["a"], res.failed
     assert a.weight_version == 0
 
 

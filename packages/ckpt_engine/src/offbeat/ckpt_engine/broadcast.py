@@ -143,20 +143,29 @@ def _stream(
         if g.rank == s:
             works: list[Any] = [None, None]
             k = 0
-            for bucket in plan_buckets(named_tensors or (), ch["bucket_bytes"]):
-                slot = k % 2
-                if works[slot] is not None:  # the collective that read this buffer is done
-                    _wait(works[slot], timeout_s, f"bucket {k - 2} of sender {s}")
-                view = pack(bucket, buffer(slot))
-                meta = {"filled": bucket.filled, "entries": [e.to_json() for e in bucket.entries]}
-                if ch["checksum"]:
-                    meta["checksum"] = checksum(view)
-                del bucket
-                g.store.set(f"{prefix}/s{s}/b{k}", json.dumps(meta))
-                works[slot] = g.broadcast(view, s)
-                nbytes += meta["filled"]
-                nbuckets += 1
-                k += 1
+            try:
+                for bucket in plan_buckets(named_tensors or (), ch["bucket_bytes"]):
+                    slot = k % 2
+                    if works[slot] is not None:  # the collective that read this buffer is done
+                        _wait(works[slot], timeout_s, f"bucket {k - 2} of sender {s}")
+                    view = pack(bucket, buffer(slot))
+                    meta = {
+                        "filled": bucket.filled,
+                        "entries": [e.to_json() for e in bucket.entries],
+                    }
+                    if ch["checksum"]:
+                        meta["checksum"] = checksum(view)
+                    del bucket
+                    g.store.set(f"{prefix}/s{s}/b{k}", json.dumps(meta))
+                    works[slot] = g.broadcast(view, s)
+                    nbytes += meta["filled"]
+                    nbuckets += 1
+                    k += 1
+            except Exception as e:
+                # Receivers wait on this key: tell them now rather than at their timeout.
+                reason = f"sender {s} failed: {type(e).__name__}: {e}"
+                g.store.set(f"{prefix}/s{s}/b{k}", json.dumps({"abort": reason}))
+                raise
             g.store.set(f"{prefix}/s{s}/b{k}", json.dumps({"end": True}))
             for w in works:
                 if w is not None:
@@ -172,6 +181,8 @@ def _stream(
                 raise SyncTimeoutError(
                     f"no bucket {k} from sender {s} within {timeout_s:.1f}s ({err})"
                 ) from err
+            if "abort" in meta:
+                raise PeerError(f"the sender aborted the sync: {meta['abort']}")
             if meta.get("end"):
                 return meta, None, None
             view = buffer(k % 2)[: meta["filled"]]

@@ -29,6 +29,7 @@ from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec
 __all__ = ["DiskBackend"]
 
 MANIFEST = "manifest.json"
+ABORTED = "ABORTED"
 
 
 def _bucket_file(i: int) -> str:
@@ -61,7 +62,10 @@ class _DiskSender(Sender):
         )
 
     def abort(self, reason: str) -> None:
-        pass  # receivers time out waiting for a manifest that never comes
+        # Receivers waiting for the manifest see this instead and stop.
+        os.makedirs(self._dir, exist_ok=True)
+        with open(os.path.join(self._dir, ABORTED), "w") as f:
+            f.write(reason)
 
     def send(self, named_tensors: NamedTensors) -> SendReport:
         from safetensors.torch import save
@@ -160,6 +164,10 @@ class DiskBackend(Backend):
         path = os.path.join(directory, MANIFEST)
         deadline = time.monotonic() + spec.timeout_s
         while not os.path.exists(path):
+            aborted = os.path.join(directory, ABORTED)
+            if os.path.exists(aborted):
+                with open(aborted) as f:
+                    raise PeerError(f"the sender aborted the sync: {f.read()}")
             if time.monotonic() > deadline:
                 raise SyncTimeoutError(f"no {MANIFEST} in {directory} within {spec.timeout_s:.1f}s")
             time.sleep(0.02)

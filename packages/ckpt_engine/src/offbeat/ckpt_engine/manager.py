@@ -219,6 +219,9 @@ class CheckpointEngineManager:
         recv_tasks = [asyncio.ensure_future(receive_one(r, n)) for r, n in enumerate(names)]
         deadline = time.monotonic() + timeout
         await asyncio.wait([send_task], timeout=timeout)
+        if send_task.done() and not send_task.cancelled() and send_task.exception() is not None:
+            err = send_task.exception()
+            sender.abort(f"sender failed: {type(err).__name__}: {err}")  # unblock receivers
         if send_task.done() and not send_task.cancelled() and send_task.exception() is None:
             # Receivers the sender gave up on are failed already; stop waiting for them.
             for rank, task in enumerate(recv_tasks):

@@ -146,12 +146,18 @@ class NaiveBackend(Backend):
             while True:
                 if rank in session.failed:
                     raise PeerError(f"sync aborted: {session.failed[rank]}")
-                try:
-                    item = q.get(timeout=spec.timeout_s)
-                except queue.Empty as e:
-                    raise SyncTimeoutError(
-                        f"no bucket from the sender within {spec.timeout_s:.1f}s"
-                    ) from e
+                deadline = time.monotonic() + spec.timeout_s
+                while True:  # short slices: an abort is noticed at once
+                    try:
+                        item = q.get(timeout=0.05)
+                        break
+                    except queue.Empty:
+                        if rank in session.failed:
+                            raise PeerError(f"sync aborted: {session.failed[rank]}") from None
+                        if time.monotonic() > deadline:
+                            raise SyncTimeoutError(
+                                f"no bucket from the sender within {spec.timeout_s:.1f}s"
+                            ) from None
                 if item is _END:
                     with session._cond:
                         session.done.add(rank)
