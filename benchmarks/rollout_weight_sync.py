@@ -101,6 +101,7 @@ async def bench_size(size: str, repeats: int, bucket_mib: int) -> dict:
         "gbps": med(res.transfer_gbps for res, _, _ in results),
         "receive": med(w["receive_s"] for _, _, w in results),
         "finalize": med(w["finalize_s"] for _, _, w in results),
+        "load": med(w.get("load_weights_s", 0.0) for _, _, w in results),
         "memcpy": memcpy_gbps(nbytes),
     }
 
@@ -130,8 +131,9 @@ async def main(args: argparse.Namespace) -> None:
     for r in rows:
         rest = r["phases"]["transfer"] - r["receive"] - r["finalize"]
         print(
-            f"  {r['size']:<6} receive + load_weights + layer post-processing "
-            f"{r['receive']:.3f}s, final post-processing {r['finalize']:.3f}s, "
+            f"  {r['size']:<6} receiver {r['receive']:.3f}s (of which inside load_weights: copy, "
+            f"vLLM weight loaders, per-layer post-processing {r['load']:.3f}s), "
+            f"final post-processing {r['finalize']:.3f}s, "
             f"RPC and the rest {rest:.3f}s"
         )
 

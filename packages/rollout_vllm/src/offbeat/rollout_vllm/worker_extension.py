@@ -47,7 +47,8 @@ class WeightSyncExtension:
         through the model's own `load_weights`.
 
         Returns {"version": the version now held, "receive_s": time in the receiver
-        (waiting for buckets, copying, `load_weights`, per-layer post-processing),
+        (waiting for buckets, copying, `load_weights`, per-layer post-processing), of which
+        "load_weights_s" inside `load_weights` (copy + per-layer post-processing), and
         "finalize_s": the post-processing left for the end (attention layers)}.
         """
         from vllm.config import set_current_vllm_config
@@ -72,11 +73,17 @@ class WeightSyncExtension:
                 }
             initialize, finalize = reload
 
+            load_s = [0.0]
+
             def load_weights(named_tensors):
                 # Layerwise reload keeps a reference to each tensor until its layer is
                 # complete, which may be a later bucket; the receiver's tensors are only
                 # valid during this call (their buffer is refilled), so hand over copies.
-                return model.load_weights((n, t.clone()) for n, t in named_tensors)
+                t = time.perf_counter()
+                try:
+                    return model.load_weights((n, t.clone()) for n, t in named_tensors)
+                finally:
+                    load_s[0] += time.perf_counter() - t
 
             initialize(model)
             t1 = time.perf_counter()
@@ -92,6 +99,7 @@ class WeightSyncExtension:
             "receive_s": t2 - t0,
             "finalize_s": time.perf_counter() - t2,
             "initialize_s": t1 - t0,
+            "load_weights_s": load_s[0],
         }
 
     def offbeat_weight_checksum(self) -> float:
