@@ -188,12 +188,15 @@ def test_load_yaml_and_overrides(tmp_path):
             """
         )
     )
-    cfg = load_config(path, ["rollout.n=8", "+data.train_files=[a.parquet,b.parquet]"])
+    for name in ("a.parquet", "b.parquet"):  # validation checks that data files exist
+        (tmp_path / name).write_bytes(b"")
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    cfg = load_config(path, ["rollout.n=8", f"+data.train_files=[{a},{b}]"])
     assert isinstance(cfg, JobConfig) and isinstance(cfg.async_training, AsyncConfig)
     assert cfg.rollout.n == 8
     assert cfg.rollout.engine_kwargs == {"enforce_eager": True, "max_model_len": 1024}
     assert cfg.async_training.max_off_policy_strategy == "wait"
-    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.data.train_files == [str(a), str(b)]
     assert cfg.model.path == "tiny"
     validate(cfg)
 

@@ -72,7 +72,8 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
         cfg.trainer.mode == "separate_async"
         and s.max_off_policy_strategy == "drop"
         and isinstance(s.num_warmup_batches, int)
-        and isinstance(s.max_off_policy_threshold, int)
+        and type(s.max_off_policy_threshold) is int  # a bad threshold is reported on its own
+        and s.max_off_policy_threshold > 0
         and s.num_warmup_batches + 1 > s.max_off_policy_threshold
     ):
         from offbeat.core.buffer import drop_depth_message
