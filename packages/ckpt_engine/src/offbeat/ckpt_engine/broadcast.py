@@ -165,6 +165,12 @@ def _stream(
                 # Receivers wait on this key: tell them now rather than at their timeout.
                 reason = f"sender {s} failed: {type(e).__name__}: {e}"
                 g.store.set(f"{prefix}/s{s}/b{k}", json.dumps({"abort": reason}))
+                # Let the buckets already posted complete, so receivers reach the abort
+                # key instead of a collective torn down under them.
+                for w in works:
+                    if w is not None:
+                        with contextlib.suppress(Exception):
+                            _wait(w, timeout_s, "a posted bucket")
                 raise
             g.store.set(f"{prefix}/s{s}/b{k}", json.dumps({"end": True}))
             for w in works:
