@@ -87,3 +87,33 @@ async def test_update_weights_needs_the_server_paused(server):
 
     with pytest.raises(RuntimeError, match="abort_all"):
         await server.update_weights(ReceiveSpec("shm", server.weight_version + 1))
+
+
+async def test_failed_sync_leaves_the_server_refusing_until_a_good_sync(
+    server, tiny_model, other_weights, prompt_ids, load_named_tensors
+):
+    """W1 with its last tensor mangled: most layers get W1, then loading fails. The server
+    must not report the new version nor serve the mixed weights; a later good sync heals it."""
+    held = server.weight_version
+    before = await server.generate("pre", prompt_ids[0], {"max_tokens": 8, "temperature": 0.0})
+    bad = load_named_tensors(other_weights)
+    name, t = bad[-1]
+    bad[-1] = (name, t[:-1].clone())  # wrong shape
+    manager = CheckpointEngineManager("shm", bucket_bytes=1 << 20, phase_timeout_s=120)
+    try:
+        result = await manager.sync(bad, held + 1, {"vllm": server})
+        assert not result.ok and "vllm" in result.failed
+        assert server.weight_version == held
+        # The manager leaves a failed replica paused; even resumed it refuses to serve.
+        assert server.is_paused
+        await server.resume()
+        with pytest.raises(RuntimeError, match="not serving"):
+            await server.generate("during", prompt_ids[0], {"max_tokens": 4})
+
+        result = await manager.sync(load_named_tensors(tiny_model), held + 2, {"vllm": server})
+        assert result.ok, result.failed
+    finally:
+        manager.close()
+    assert server.weight_version == held + 2 and not server.is_paused
+    after = await server.generate("post", prompt_ids[0], {"max_tokens": 8, "temperature": 0.0})
+    assert after.token_ids == before.token_ids

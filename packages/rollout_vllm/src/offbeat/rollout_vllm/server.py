@@ -322,8 +322,11 @@ class VLLMRolloutServer:
             reports = await self.engine.collective_rpc(
                 "offbeat_receive_weights", args=(dataclasses.asdict(spec), self._weight_version)
             )
-        except Exception as e:
-            self._broken = f"weight update to version {spec.version} failed: {e}"
+        except BaseException as e:
+            # Cancelled included: the worker may have loaded part of the weights already.
+            self._broken = (
+                f"weight update to version {spec.version} failed: {type(e).__name__}: {e}"
+            )
             raise
         got = [r["version"] for r in reports]
         if any(v != spec.version for v in got):
