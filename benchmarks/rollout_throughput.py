@@ -98,19 +98,20 @@ async def main(args: argparse.Namespace) -> None:
         PartialRolloutConfig(max_tokens=args.max_tokens),
     )
     prompts = make_prompts(args.prompts)
-    engine = server.engine
-    await run_raw(engine, prompts, args.max_tokens, True, "warm")  # warm-up
+    await run_raw(server.engine, prompts, args.max_tokens, True, "warm")  # warm-up
     await run_offbeat(client, prompts, args.max_tokens, "warm")
     runs: dict[str, list[tuple[float, float]]] = {"raw": [], "offbeat": [], "default": []}
     for r in range(args.repeats):
         # Alternate which goes first so a load change on the machine hits both alike.
         pair = [
-            ("raw", lambda r=r: run_raw(engine, prompts, args.max_tokens, True, f"raw{r}")),
+            ("raw", lambda r=r: run_raw(server.engine, prompts, args.max_tokens, True, f"raw{r}")),
             ("offbeat", lambda r=r: run_offbeat(client, prompts, args.max_tokens, f"ob{r}")),
         ]
         for name, fn in pair if r % 2 == 0 else pair[::-1]:
             runs[name].append(await fn())
-        runs["default"].append(await run_raw(engine, prompts, args.max_tokens, False, f"rawd{r}"))
+        runs["default"].append(
+            await run_raw(server.engine, prompts, args.max_tokens, False, f"rawd{r}")
+        )
     server.shutdown()
 
     med = statistics.median
