@@ -76,3 +76,33 @@ async def test_buffer_not_refilled_while_receiver_reads(make_target):
     res = await mgr.sync(model.items(), 1, {"slow": target})
     assert res.ok and len(changed) >= 10 and not any(changed)
     assert all(torch.equal(target.sink.weights[n], t) for n, t in model.items())
+
+
+@pytest.mark.parametrize("backend", ["naive", "shm", "broadcast", "disk"])
+async def test_sender_holds_at_most_two_buckets_of_a_transient_stream(backend, make_target):
+    """Tensors made on the fly (like gathered shards) are released as their bucket goes."""
+    import gc
+    import weakref
+
+    alive: set[int] = set()
+    peak = [0]
+
+    def stream():
+        for i in range(60):
+            t = torch.full((250,), float(i))  # 1000 B: four to a 4 KiB bucket
+            alive.add(i)
+            weakref.finalize(t, alive.discard, i)
+            gc.collect()
+            peak[0] = max(peak[0], len(alive))
+            yield f"w{i}", t
+            del t
+
+    target = make_target("r")
+    mgr = CheckpointEngineManager(backend, bucket_bytes=BUCKET, phase_timeout_s=30)
+    try:
+        res = await mgr.sync(stream(), 1, {"r": target})
+    finally:
+        mgr.close()
+    assert res.ok and len(target.sink.weights) == 60
+    per_bucket = BUCKET // 1024
+    assert peak[0] <= 2 * per_bucket + 1, peak[0]
