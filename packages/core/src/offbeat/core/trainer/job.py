@@ -46,7 +46,9 @@ class RuntimeConfig:
     trainer_threads: int = 1  # torch threads of the trainer process
     rollout_num_cpus: float = 1.0  # Ray CPUs per rollout replica actor
     rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
-    rollout_env: dict[str, str] = field(default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    rollout_env: dict[str, str] = field(
+        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    )
     max_concurrent_groups: int = 32  # prompt groups generated at once
     ckpt_backend: str = "shm"  # a name in offbeat.ckpt_engine.backends()
     sync_timeout_s: float = 300.0

@@ -17,6 +17,25 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 LOGGERS = ("console", "jsonl", "tensorboard")
+# The console line: a readable subset (JSONL and TensorBoard get every metric).
+CONSOLE_KEYS = (
+    ("weight_version", "version"),
+    ("reward/mean", "reward"),
+    ("response_length_mean", "len"),
+    ("off_policy/trajectory_spans_max", "span_max"),
+    ("off_policy/trajectory_staleness_mean", "stale"),
+    ("buffer/evicted", "evicted"),
+    ("buffer/failed_total", "failed_total"),
+    ("timing/generate_wait_s", "wait_s"),
+    ("timing/train_s", "train_s"),
+    ("timing/sync_s", "sync_s"),
+    ("sync/gbps", "sync_GBps"),
+    ("perf/tokens_per_s", "tok/s"),
+    ("perf/trainer_idle_frac", "trainer_idle"),
+    ("perf/rollout_idle_frac", "rollout_idle"),
+    ("memory/trainer_peak_gb", "trainer_GB"),
+    ("memory/rollout_peak_rss_gb", "rollout_GB"),
+)
 PLOT_KEYS = (
     ("reward/mean", "train reward"),
     ("val/reward", "validation reward"),
@@ -92,8 +111,8 @@ class MetricsTracker:
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
         if "console" in self.loggers:
-            keys = sorted(k for k in row if k != "step")
-            text = " ".join(f"{k}={row[k]:.4g}" for k in keys)
+            shown = [(short, row[k]) for k, short in CONSOLE_KEYS if k in row]
+            text = " ".join(f"{short}={v:.4g}" for short, v in shown)
             self._write(f"[step {step}] {text}")
 
     def event(self, message: str) -> None:
