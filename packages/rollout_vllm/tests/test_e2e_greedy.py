@@ -54,3 +54,25 @@ async def test_stop_on_eos_is_reported_as_stop(server, prompt_ids):
     )
     assert out.stop_reason == "stop"
     assert out.token_ids == first
+
+
+async def test_sampled_logprobs_are_at_the_sampling_temperature(server, tiny_model, prompt_ids):
+    """Importance sampling needs the behaviour policy's log-probs at temperature T, the same
+    quantity the trainer computes from logits / T."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    temperature = 0.7
+    prompt = prompt_ids[1]
+    out = await server.generate(
+        "temp", prompt, {"max_tokens": 12, "temperature": temperature, "seed": 5}
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    at_t = torch.log_softmax(logits / temperature, -1)
+    expected = at_t.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
+    raw = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert out.logprobs == pytest.approx(expected, abs=1e-3)
+    assert raw.tolist() != pytest.approx(expected, abs=1e-3)  # the check can tell them apart

@@ -52,8 +52,10 @@ _FINISH_TO_STOP = {"stop": "stop", "length": "length", "abort": "aborted"}
 class VLLMServerConfig:
     """What one replica needs. `engine_kwargs` go to `AsyncEngineArgs(model=model, ...)`
     unchanged (e.g. `max_model_len`, `dtype`, `enforce_eager`, `tensor_parallel_size`,
-    `gpu_memory_utilization`); the adapter only adds `worker_extension_cls` and, where the
-    platform has sleep mode, `enable_sleep_mode=True`, unless they are given."""
+    `gpu_memory_utilization`); the adapter only adds `worker_extension_cls`,
+    `logprobs_mode="processed_logprobs"` (log-probs at the sampling temperature, as the
+    trainer computes them) and, where the platform has sleep mode, `enable_sleep_mode=True`,
+    unless they are given."""
 
     model: str
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -83,6 +85,9 @@ class VLLMRolloutServer:
                 "VLLMServerConfig.model"
             )
         engine_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
+        # Importance sampling compares these log-probs with the trainer's, which are taken at
+        # the sampling temperature: vLLM's default ("raw_logprobs") is before temperature.
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         self._sleep_mode_available = current_platform.is_sleep_mode_available()
         if self._sleep_mode_available:
             engine_kwargs.setdefault("enable_sleep_mode", True)
