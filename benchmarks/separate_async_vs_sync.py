@@ -9,7 +9,11 @@ evicted) keeps generating the
 next batch while it trains. Prints wall time of the training steps (engine start-up
 excluded), trainer and rollout idle fractions, mean staleness, and the ratio.
 
-    uv run --frozen --no-sync python benchmarks/separate_async_vs_sync.py [--steps 10]
+    uv run --frozen --no-sync python benchmarks/separate_async_vs_sync.py [--steps 20] [overrides]
+
+The recipe's default pins the trainer to core 1 and the engine's threads to core 0 (the
+resource split on a CPU machine); to measure without pinning add
+    runtime.trainer_cpus=[] runtime.rollout_env.VLLM_CPU_OMP_THREADS_BIND=auto
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def overrides(tmp: Path, mode: str, steps: int, args: argparse.Namespace) -> lis
         "runtime.max_concurrent_groups=32",
         f"data.train_files=[{tmp / 'train.parquet'}]",
         f"data.val_files=[{tmp / 'val.parquet'}]",
+        *args.overrides,
     ]
 
 
@@ -101,12 +106,14 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=0.9)
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--warmup", type=int, default=2, help="num_warmup_batches (threshold = +1)")
+    ap.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
     args = ap.parse_args()
 
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.tasks import make_rows, write_parquet
     from offbeat.core.trainer.job import (
         init_ray,
+        pin_trainer,
         prepare,
         run_with_replicas,
         shutdown_replicas,
@@ -124,6 +131,7 @@ def main() -> None:
     )
     _, cfg0 = load_recipe_config("separate_async", overrides(tmp, "sync", args.steps, args))
     init_ray(cfg0.runtime)
+    pin_trainer(cfg0.runtime)
     prepared = prepare(cfg0)
     servers = start_replicas(prepared)
     results = []

