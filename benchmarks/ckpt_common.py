@@ -75,7 +75,7 @@ def model_digest(model: dict[str, torch.Tensor]) -> int:
 
 def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -> None:
     """A receiving process: a pre-allocated model and a loop over commands."""
-    from offbeat.ckpt_engine import receive
+    from offbeat.ckpt_engine import copy_into, receive
 
     if device.startswith("cuda"):
         torch.cuda.set_device(0)
@@ -87,8 +87,14 @@ def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     held = 0
+    state = {"loader": loader}
+    fused = copy_into(model)
 
     def load_weights(pairs):
+        loader = state["loader"]
+        if loader == "foreach":  # the package's copy_into: fused multi-tensor copies
+            fused(pairs)
+            return
         if loader == "memcpy":  # a host loader that copies with one memcpy per tensor
             import numpy as np
 
@@ -129,6 +135,9 @@ def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -
                     torch.cuda.max_memory_allocated() - base_gpu if device.startswith("cuda") else 0
                 )
                 results.put(("ok", held, dt, proc_status("VmHWM") - base, extra_gpu))
+            elif cmd[0] == "loader":
+                state["loader"] = cmd[1]
+                results.put(("ok", cmd[1]))
             elif cmd[0] == "digest":
                 results.put(("ok", model_digest(model)))
             elif cmd[0] == "ipc_copy":  # the ceiling: copy a tensor shared by CUDA IPC

@@ -18,13 +18,19 @@ pytestmark = [
 ]
 
 
-def _sync_twice(model: dict[str, torch.Tensor], backend) -> None:
+def _sync_thrice(model: dict[str, torch.Tensor], backend) -> None:
+    """Three syncs with an in-place update of every float tensor before each (a trainer's
+    step): the first packs, later ones may read the same storages in place and must deliver
+    that sync's values."""
     ctx = mp.get_context("spawn")
     targets = {"g0": ProcessTarget(ctx), "g1": ProcessTarget(ctx)}
     mgr = CheckpointEngineManager(backend, bucket_bytes=BUCKET, phase_timeout_s=120, checksum=True)
 
     async def run() -> None:
-        for version in (1, 2):
+        for version in (1, 2, 3):
+            for t in model.values():
+                if t.is_floating_point():
+                    t.add_(1)
             res = await mgr.sync(model.items(), version, targets)
             assert res.failed == {}, res.failed
             for t in targets.values():
@@ -40,7 +46,13 @@ def _sync_twice(model: dict[str, torch.Tensor], backend) -> None:
 
 
 def test_cuda_ipc_packed_round_trip(model):
-    _sync_twice({n: t.cuda() for n, t in model.items()}, "cuda_ipc")
+    _sync_thrice({n: t.cuda() for n, t in model.items()}, "cuda_ipc")
+
+
+def test_cuda_ipc_packing_only_round_trip(model):
+    _sync_thrice(
+        {n: t.cuda() for n, t in model.items()}, get_backend("cuda_ipc")(zero_copy_min_bytes=None)
+    )
 
 
 def test_cuda_ipc_in_place_round_trip(model):
@@ -59,4 +71,4 @@ def test_cuda_ipc_in_place_round_trip(model):
         v.copy_(src)
         views[name] = v
         off += p
-    _sync_twice(views, get_backend("cuda_ipc")(zero_copy_min_bytes=0))
+    _sync_thrice(views, get_backend("cuda_ipc")(zero_copy_min_bytes=0))

@@ -12,6 +12,7 @@ from offbeat.ckpt_engine.errors import (
     StaleVersionError,
     SyncTimeoutError,
 )
+from offbeat.ckpt_engine.loader import copy_into
 from offbeat.ckpt_engine.manager import (
     DEFAULT_BUCKET_BYTES,
     PHASES,
@@ -30,7 +31,8 @@ from offbeat.ckpt_engine.registry import (
 from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec, SyncTarget
 
 # The two sides: receive + ReceiveSpec/SyncTarget/LoadWeightsFn (where the model lives),
-# CheckpointEngineManager/SyncResult/PHASES (the trainer); backends: Backend, Sender,
+# copy_into (a fused loader for plain models), CheckpointEngineManager/SyncResult/PHASES
+# (the trainer); backends: Backend, Sender,
 # SendReport, backends, get_backend, register_backend; bucketing shared by every backend:
 # ALIGN, Entry, Reassembler, plan_buckets; errors: *Error.
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "SyncTarget",
     "SyncTimeoutError",
     "backends",
+    "copy_into",
     "get_backend",
     "plan_buckets",
     "receive",

@@ -10,14 +10,11 @@ copies finished.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import pickle
 import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -49,10 +46,16 @@ class BufferPair(ABC):
     def fence(self) -> None:  # noqa: B027
         """Make the bytes just packed visible to other processes."""
 
-    def share(self, piece: torch.Tensor) -> tuple[Any, Callable[[], Any], int] | None:
+    def share(self, piece: torch.Tensor) -> tuple[Any, int] | None:
         """Optionally let receivers read `piece` where it lies instead of packing it:
-        (storage key, a function giving the storage's picklable descriptor, byte offset)."""
+        (storage key, byte offset of the piece in that storage)."""
         return None
+
+    def descriptor(self, key: Any) -> str:
+        """The plain-string descriptor receivers open the storage `key` (from `share`) with;
+        the same string for the same storage across syncs, so receivers can keep what they
+        opened."""
+        raise NotImplementedError
 
     def attached(self) -> None:  # noqa: B027
         """Every receiver has attached (names may be unlinked now)."""
@@ -183,11 +186,12 @@ class SharedBufferSender(Sender):
             shared = self._pair.share(src) if e.nbytes else None
             if shared is None:
                 continue
-            key, describe, offset = shared
-            if key not in self._storage_ids:
+            key, offset = shared
+            sid = self._storage_ids.get(key)
+            if sid is None:
                 sid = self._storage_ids[key] = len(self._storage_ids)
-                new[str(sid)] = base64.b64encode(pickle.dumps(describe())).decode()
-            ext[i] = [self._storage_ids[key], offset]
+                new[str(sid)] = self._pair.descriptor(key)
+            ext[i] = [sid, offset]
         return ext, new
 
     def _publish(self, msg: dict[str, Any]) -> None:
@@ -269,6 +273,10 @@ class _ViewCache:
         self._views: dict[tuple, torch.Tensor] = {}
         self._bases: dict[int, torch.Tensor] = {}
         self._used: set[int] = set()
+        # A whole bucket's list, reused when the same entries arrive in the same buffer and
+        # storages again (a trainer's next step): no per-tensor work at all then.
+        self._memo: dict[tuple, tuple[list, dict, list[torch.Tensor], list]] = {}
+        self._memo_used: set[tuple] = set()
 
     @classmethod
     def get(cls, key: str) -> _ViewCache:
@@ -280,12 +288,28 @@ class _ViewCache:
         buffer: torch.Tensor,
         ext_at: dict[int, tuple[torch.Tensor, int]],
         reasm: Reassembler,
+        ext_raw: dict | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
+        bases = [buffer, *(b for b, _ in ext_at.values())]
+        key = (id(buffer), len(entries), entries[0][0] if entries else "")
+        memo = self._memo.get(key)
+        if (
+            memo is not None
+            and memo[0] == entries
+            and memo[1] == ext_raw
+            and len(memo[2]) == len(bases)
+            and all(a is b for a, b in zip(memo[2], bases, strict=True))
+        ):
+            self._memo_used.add(key)
+            self._used.update(id(b) for b in bases)
+            return list(memo[3])
         out: list[tuple[str, torch.Tensor]] = []
+        cacheable = True
         for i, e in enumerate(entries):
             name, dtype, shape, offset, nbytes, start, total = e
             base, at = ext_at.get(i, (buffer, offset))
             if start or nbytes != total or not nbytes:  # split or empty: the slow path
+                cacheable = False
                 piece = base[at : at + nbytes]
                 out.extend(
                     reasm.take([Entry(name, dtype, tuple(shape), 0, nbytes, start, total)], piece)
@@ -293,19 +317,24 @@ class _ViewCache:
                 continue
             self._bases[id(base)] = base
             self._used.add(id(base))
-            key = (id(base), at, nbytes, dtype, *shape)
-            t = self._views.get(key)
+            vkey = (id(base), at, nbytes, dtype, *shape)
+            t = self._views.get(vkey)
             if t is None:
                 t = base[at : at + nbytes].view(dtype_from_str(dtype)).view(shape)
-                self._views[key] = t
+                self._views[vkey] = t
             out.append((name, t))
+        if cacheable:
+            self._memo[key] = (entries, ext_raw, bases, list(out))
+            self._memo_used.add(key)
         return out
 
     def trim(self) -> None:
         for b in [b for b in self._bases if b not in self._used]:
             del self._bases[b]
         self._views = {k: v for k, v in self._views.items() if k[0] in self._used}
+        self._memo = {k: v for k, v in self._memo.items() if k in self._memo_used}
         self._used = set()
+        self._memo_used = set()
 
 
 def check_version(spec: ReceiveSpec, current_version: int | None) -> None:
@@ -383,9 +412,10 @@ def receive_shared(
                     raise PeerError(
                         "the sender shared storages in place; this backend cannot open them"
                     )
-                storages[int(sid)] = open_storage(pickle.loads(base64.b64decode(blob)))
+                storages[int(sid)] = open_storage(blob)
             entries = msg["entries"]
-            ext_at = {int(i): (storages[sid], off) for i, (sid, off) in msg.get("ext", {}).items()}
+            ext_raw = msg.get("ext", {})
+            ext_at = {int(i): (storages[sid], off) for i, (sid, off) in ext_raw.items()}
             if spec.checksum:
                 got = combine(
                     checksum(view),
@@ -395,7 +425,7 @@ def receive_shared(
                     err = ChecksumError(msg["index"], msg["checksum"], got)
                     conn.send({"type": "error", "reason": str(err)})
                     raise err
-            tensors = views.take(entries, buffers[msg["slot"]], ext_at, reasm)
+            tensors = views.take(entries, buffers[msg["slot"]], ext_at, reasm, ext_raw)
             if tensors:
                 load_weights(tensors)
             del tensors, view

@@ -23,6 +23,7 @@ __all__ = [
     "as_bytes",
     "checksum",
     "combine",
+    "copy_many",
     "dtype_from_str",
     "pack",
     "plan_buckets",
@@ -161,6 +162,8 @@ def pack(bucket: Bucket, buffer: torch.Tensor, skip: Container[int] = ()) -> tor
     """Copy a bucket's pieces (but those whose index is in `skip`, which travel another
     way) into `buffer`; return the view of its exact filled length."""
     host = buffer.device.type == "cpu"
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
     for i, (e, src) in enumerate(zip(bucket.entries, bucket.sources, strict=True)):
         if not e.nbytes or i in skip:
             continue
@@ -170,8 +173,25 @@ def pack(bucket: Bucket, buffer: torch.Tensor, skip: Container[int] = ()) -> tor
             # several times slower than one memcpy when cores are contended.
             np.copyto(dst.numpy(), src.numpy())
         else:
-            dst.copy_(src, non_blocking=True)
+            dsts.append(dst)
+            srcs.append(src)
+    if dsts:
+        copy_many(dsts, srcs)
     return buffer[: bucket.filled]
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """`dsts[i].copy_(srcs[i])` for every i, queued without waiting: one fused multi-tensor
+    copy (a few kernel launches on an accelerator) instead of one host call per tensor,
+    which for hundreds of tensors costs as much host time as the device spends copying."""
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0], non_blocking=True)
+        return
+    try:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    except (RuntimeError, TypeError, AttributeError):  # a torch without it, or mixed lists
+        for d, s in zip(dsts, srcs, strict=True):
+            d.copy_(s, non_blocking=True)
 
 
 _CHUNK_WORDS = 1 << 22  # 32 MiB of int64 scratch per step

@@ -2,9 +2,13 @@
 handles; receivers hand `load_weights` zero-copy views.
 
 Two bucket buffers are allocated once and kept across syncs, and receivers keep what they
-opened, so steady-state syncs open no handle (opening handles is what costs). A piece whose
-storage is large (at least `zero_copy_min_bytes`, e.g. a flat parameter buffer) is not
-packed at all: receivers read it in place, which saves one device copy per byte. Knows
+opened, so steady-state syncs open no handle (opening handles is what costs). A piece that
+lies on the sender's device, in a storage (of at least `zero_copy_min_bytes`) that was
+already sent from in the previous sync, is not packed at all: receivers read it in place,
+which saves one device copy per byte. Trainer parameters keep their storages from step to
+step, so from the second sync on they travel in place; each storage's descriptor is made
+once and receivers keep what they opened by descriptor, so a steady-state sync costs no IPC
+call per tensor. Storages first seen in a sync (transient tensors) are packed. Knows
 nothing about which process owns which GPU beyond the device UUID: a receiver maps the
 sender's device to its own index, so differing CUDA_VISIBLE_DEVICES do not matter.
 """
@@ -14,10 +18,10 @@ from __future__ import annotations
 import base64
 import pickle
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from offbeat.ckpt_engine._shared_buffer import BufferPair, SharedBufferSender, receive_shared
 from offbeat.ckpt_engine.errors import PeerError
@@ -47,6 +51,10 @@ class _CudaPair(BufferPair):
             torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
         self._handles = [_describe(b) for b in self.buffers]
+        # storage key -> [weak reference, descriptor ("" until first shared), sync first seen]
+        self._shared: dict[tuple[int, int], list] = {}
+        self._seen: set[tuple[int, int]] = set()
+        self._sync = 0
 
     def describe(self) -> dict[str, Any]:
         # Plain strings: RPC layers that re-encode the spec (msgpack, JSON) pass it intact.
@@ -56,22 +64,46 @@ class _CudaPair(BufferPair):
     def fence(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
 
-    def share(self, piece: torch.Tensor) -> tuple[Any, Callable[[], Any], int] | None:
+    def share(self, piece: torch.Tensor) -> tuple[Any, int] | None:
         if self.zero_copy_min_bytes is None or piece.device != self.device:
             return None
         storage = piece.untyped_storage()
-        if storage.nbytes() < self.zero_copy_min_bytes:
+        nbytes = storage.nbytes()
+        if nbytes < self.zero_copy_min_bytes:
             return None
-
-        def describe() -> tuple:
+        base = storage.data_ptr()
+        key = (base, nbytes)
+        self._seen.add(key)
+        known = self._shared.get(key)
+        if known is None or known[0].expired():
+            # First seen, or its memory was freed and reused: pack it this time. A storage
+            # still alive at the next sync is a stable one (a trainer's parameter) and is
+            # read in place from then on; a transient one (a gathered or converted tensor)
+            # is never mapped by receivers, who would otherwise pin its memory.
+            self._shared[key] = [StorageWeakRef(storage), "", self._sync]
+            return None
+        if known[2] == self._sync:
+            return None
+        if not known[1]:
             whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-            return _describe(whole)
+            known[1] = base64.b64encode(pickle.dumps(_describe(whole))).decode()
+        return key, piece.data_ptr() - base
 
-        return storage.data_ptr(), describe, piece.data_ptr() - storage.data_ptr()
+    def descriptor(self, key: Any) -> str:
+        return self._shared[key][1]
+
+    def release(self) -> None:
+        # Remember (weakly) the storages this sync sent from, for the next one.
+        self._shared = {
+            k: v for k, v in self._shared.items() if k in self._seen and not v[0].expired()
+        }
+        self._seen = set()
+        self._sync += 1
 
     def close(self) -> None:
         self.buffers = []
         self._handles = []
+        self._shared = {}
 
 
 def _local_index(uuid: str) -> int:
@@ -83,12 +115,14 @@ def _local_index(uuid: str) -> int:
     )
 
 
-# Receiver side: what this process opened, kept while the sender keeps offering it.
+# Receiver side: what this process opened, kept while the sender keeps offering it: bucket
+# buffers by handle, storages read in place by their descriptor string.
 _OPENED: dict[tuple, torch.Tensor] = {}
+_OPENED_STORAGES: dict[str, torch.Tensor] = {}
 _OPENED_LOCK = threading.Lock()
 
 
-def _open(args: tuple, index: int) -> torch.Tensor:
+def _open(args: tuple, index: int, cache: bool = True) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, size_bytes,
@@ -100,8 +134,9 @@ def _open(args: tuple, index: int) -> torch.Tensor:
         args = list(args)
         args[6] = index  # storage_device, as seen from this process
         t = rebuild_cuda_tensor(*args)
-        with _OPENED_LOCK:
-            _OPENED[key] = t
+        if cache:
+            with _OPENED_LOCK:
+                _OPENED[key] = t
     return t
 
 
@@ -118,15 +153,16 @@ def _decode(channel: dict[str, Any]) -> list[tuple]:
 
 class CudaIpcBackend(Backend):
     """Options: `device` (default: the current CUDA device) holds the sender's buffers;
-    `zero_copy_min_bytes` (default 128 MiB; None turns it off): pieces of storages at least
-    this large are read in place by receivers instead of being packed."""
+    `zero_copy_min_bytes` (default 0: every piece on that device; None turns it off):
+    pieces of storages at least this large are read in place by receivers instead of being
+    packed into a bucket buffer (which costs a second device copy per byte)."""
 
     default_bucket_bytes = 512 << 20  # see the README's "Bucket size"
 
     def __init__(
         self,
         device: str | int | torch.device | None = None,
-        zero_copy_min_bytes: int | None = 128 << 20,
+        zero_copy_min_bytes: int | None = 0,
     ) -> None:
         self._device = device
         self._zero_copy = zero_copy_min_bytes
@@ -174,6 +210,7 @@ class CudaIpcBackend(Backend):
     ) -> int:
         device: list[int] = []
         used: set[tuple] = set()
+        used_storages: set[str] = set()
 
         def attach(channel: dict[str, Any]) -> list[torch.Tensor]:
             buffers, index = _attach(channel)
@@ -181,9 +218,15 @@ class CudaIpcBackend(Backend):
             used.update((bytes(a[7]), a[8], a[9], tuple(a[1]), a[3]) for a in _decode(channel))
             return buffers
 
-        def open_storage(args: tuple) -> torch.Tensor:
-            used.add((bytes(args[7]), args[8], args[9], tuple(args[1]), args[3]))
-            return _open(args, device[0])
+        def open_storage(blob: str) -> torch.Tensor:
+            used_storages.add(blob)
+            with _OPENED_LOCK:
+                t = _OPENED_STORAGES.get(blob)
+            if t is None:
+                t = _open(tuple(pickle.loads(base64.b64decode(blob))), device[0], cache=False)
+                with _OPENED_LOCK:
+                    _OPENED_STORAGES[blob] = t
+            return t
 
         def mark() -> torch.cuda.Event:
             # load_weights queues its copies on the current stream; they are done when
@@ -198,6 +241,8 @@ class CudaIpcBackend(Backend):
             with _OPENED_LOCK:  # forget what this sync no longer offered
                 for key in [k for k in _OPENED if k not in used]:
                     del _OPENED[key]
+                for blob in [b for b in _OPENED_STORAGES if b not in used_storages]:
+                    del _OPENED_STORAGES[blob]
 
 
 register_backend("cuda_ipc", CudaIpcBackend)
