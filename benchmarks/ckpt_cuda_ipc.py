@@ -10,8 +10,8 @@ run (bytes copied per second), for three sender layouts:
   packed    separate tensors with in-place reading off (zero_copy_min_bytes=None): every byte
             is packed into a bucket buffer by the sender, then copied out by the receiver.
 
-and two receiver loaders: `copy_` (one copy_ call per tensor) and `foreach` (the package's
-copy_into: torch._foreach_copy_ over the bucket's tensors). The first two syncs of each row
+and two receiver loaders: `copy_` (one copy_ call per tensor) and `copy_into` (the package's
+loader: one copy_ per tensor above 1 MiB, torch._foreach_copy_ over the smaller ones). The first two syncs of each row
 are not timed (the first packs and records the sender's storages, the second opens them).
 
     PYTHONPATH=packages/ckpt_engine/src python3 benchmarks/ckpt_cuda_ipc.py
@@ -96,7 +96,7 @@ async def main() -> None:
         f"the receiver's own load_weights (500 copy_ calls) from the same shared storage: {floor:.0f} GB/s"
     )
     print(
-        f"the receiver's own load_weights (foreach: copy_into) from the same shared storage: {floor_foreach:.0f} GB/s"
+        f"the receiver's own load_weights (copy_into) from the same shared storage: {floor_foreach:.0f} GB/s"
     )
     print()
     print(
@@ -105,14 +105,13 @@ async def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     version = 0
     rows = [
-        ("separate", packed, "foreach"),
         ("separate", packed, "copy_"),
-        ("flat", flat, "foreach"),
+        ("separate", packed, "copy_into"),
         ("flat", flat, "copy_"),
-        ("packed", packed, "foreach"),
+        ("packed", packed, "copy_"),
     ]
     for layout, model, loader in rows:
-        receiver.call("loader", "foreach" if loader == "foreach" else "torch")
+        receiver.call("loader", "foreach" if loader == "copy_into" else "torch")
         for mib in [int(x) for x in args.buckets_mib.split(",")]:
             backend = get_backend("cuda_ipc")(zero_copy_min_bytes=None if layout == "packed" else 0)
             mgr = CheckpointEngineManager(backend, bucket_bytes=mib * MiB, phase_timeout_s=300)

@@ -11,10 +11,13 @@ copies finished.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import secrets
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -34,10 +37,35 @@ from offbeat.ckpt_engine.registry import NamedTensors, Sender, SendReport
 from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec
 
 
+class _Replay:
+    """A bucket of the previous sync that receivers read wholly in place, replayed as it was
+    when the same tensors (the same objects at the same addresses, in the same order) come
+    again: a trainer's next step costs no planning or sharing per tensor."""
+
+    __slots__ = ("keys", "msg", "sids", "tensors")
+
+    def __init__(self, tensors: list, msg: dict, keys: list, sids: dict) -> None:
+        self.tensors, self.msg, self.keys, self.sids = tensors, msg, keys, sids
+
+    def take(self, it: Iterator) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """The next (name, tensor) pairs of `it`, and whether they are this bucket's."""
+        taken = []
+        for name, ref, ptr in self.tensors:
+            nxt = next(it, None)
+            if nxt is None:
+                return taken, False
+            taken.append(nxt)
+            if nxt[0] != name or ref() is not nxt[1] or nxt[1].data_ptr() != ptr:
+                return taken, False
+        return taken, True
+
+
 class BufferPair(ABC):
     """The sender's two buffers and how a receiver finds them."""
 
     buffers: list[torch.Tensor]
+    # Leading buckets of the last sync that were read wholly in place (see _Replay).
+    replays: list[_Replay]
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -56,6 +84,9 @@ class BufferPair(ABC):
         the same string for the same storage across syncs, so receivers can keep what they
         opened."""
         raise NotImplementedError
+
+    def keep(self, keys: list) -> None:  # noqa: B027
+        """Storages (keys from `share`) used again by a replayed bucket in this sync."""
 
     def attached(self) -> None:  # noqa: B027
         """Every receiver has attached (names may be unlinked now)."""
@@ -201,17 +232,60 @@ class SharedBufferSender(Sender):
             except PeerError as e:
                 self._fail(rank, f"receiver {rank}: {e}")
 
+    def _buckets(self, named_tensors: NamedTensors):
+        """(index, a freshly planned bucket or None, a replay or None, its tensors)."""
+        it = iter(named_tensors)
+        replays = getattr(self._pair, "replays", None) or []
+        self._pair.replays = []
+        index = 0
+        for r in [] if self._checksum else replays:
+            taken, same = r.take(it)
+            if not same:  # a different stream from here on: plan it
+                it = itertools.chain(taken, it)
+                break
+            self._pair.keep(r.keys)
+            self._storage_ids.update(r.sids)
+            self._pair.replays.append(r)
+            yield index, None, r, [t for _, t in taken]
+            index += 1
+        for bucket in plan_buckets(it, self._bucket_bytes, first_index=index):
+            yield bucket.index, bucket, None, None
+
+    def _remember(self, bucket, msg: dict, ext: dict) -> None:
+        """Keep a bucket read wholly in place (and all before it) for replaying."""
+        if (
+            self._checksum
+            or len(self._pair.replays) != bucket.index
+            or len(ext) != len(bucket.entries)
+            or not all(e.whole for e in bucket.entries)
+        ):
+            return
+        keys = [self._pair.share(src)[0] for src in bucket.sources]
+        tensors = [
+            (e.name, weakref.ref(t), t.data_ptr())
+            for e, t in zip(bucket.entries, bucket.origins, strict=True)
+        ]
+        sids = {k: self._storage_ids[k] for k in keys}
+        self._pair.replays.append(_Replay(tensors, msg, keys, sids))
+
     def send(self, named_tensors: NamedTensors) -> SendReport:
         t0 = time.perf_counter()
         report = SendReport()
         try:
             self._accept()
-            for bucket in plan_buckets(named_tensors, self._bucket_bytes):
+            for index, bucket, replay, tensors in self._buckets(named_tensors):
                 if not self._live():
                     break
-                slot = bucket.index % 2
-                if bucket.index >= 2:
-                    self._wait_acks(bucket.index - 2)
+                slot = index % 2
+                if index >= 2:
+                    self._wait_acks(index - 2)
+                if replay is not None:
+                    self._pair.fence()  # the trainer's writes to those tensors are done
+                    self._held[slot] = tensors
+                    self._publish(replay.msg)
+                    report.buckets += 1
+                    report.bytes += replay.msg["filled"]
+                    continue
                 ext, storages = self._share(bucket)
                 view = pack(bucket, self._pair.buffers[slot], skip=ext)
                 self._pair.fence()
@@ -234,6 +308,8 @@ class SharedBufferSender(Sender):
                     msg["checksum"] = combine(
                         checksum(view), *(checksum(bucket.sources[i]) for i in ext)
                     )
+                else:
+                    self._remember(bucket, msg, ext)
                 del bucket, view
                 self._publish(msg)
                 report.buckets += 1

@@ -92,6 +92,9 @@ class _CudaPair(BufferPair):
     def descriptor(self, key: Any) -> str:
         return self._shared[key][1]
 
+    def keep(self, keys: list) -> None:
+        self._seen.update(keys)
+
     def release(self) -> None:
         # Remember (weakly) the storages this sync sent from, for the next one.
         self._shared = {
