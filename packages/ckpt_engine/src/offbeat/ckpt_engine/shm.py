@@ -86,7 +86,7 @@ def _attach(channel: dict[str, Any]) -> list[torch.Tensor]:
 
 
 class ShmBackend(Backend):
-    default_bucket_bytes = 64 << 20  # see the README's "Bucket size"
+    default_bucket_bytes = 8 << 20  # see the README's "Bucket size"
 
     def __init__(self) -> None:
         self._pair: _ShmPair | None = None
