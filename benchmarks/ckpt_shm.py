@@ -45,7 +45,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--tensors", type=int, default=200)
-    ap.add_argument("--buckets-mib", default="16,32,64,256")
+    ap.add_argument("--buckets-mib", default="8,16,32,64")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument(
         "--loaders", default="torch,memcpy", help="receiver load_weights: torch copy_ or memcpy"
