@@ -18,13 +18,16 @@ pytestmark = [
 ]
 
 
-def _sync_thrice(model: dict[str, torch.Tensor], backend) -> None:
+def _sync_thrice(model: dict[str, torch.Tensor], backend, checksum: bool = True) -> None:
     """Three syncs with an in-place update of every float tensor before each (a trainer's
     step): the first packs, later ones may read the same storages in place and must deliver
-    that sync's values."""
+    that sync's values (without a checksum, buckets read wholly in place are neither acked
+    nor re-planned: the second sync plans them, the third replays them)."""
     ctx = mp.get_context("spawn")
     targets = {"g0": ProcessTarget(ctx), "g1": ProcessTarget(ctx)}
-    mgr = CheckpointEngineManager(backend, bucket_bytes=BUCKET, phase_timeout_s=120, checksum=True)
+    mgr = CheckpointEngineManager(
+        backend, bucket_bytes=BUCKET, phase_timeout_s=120, checksum=checksum
+    )
 
     async def run() -> None:
         for version in (1, 2, 3):
@@ -55,7 +58,12 @@ def test_cuda_ipc_packing_only_round_trip(model):
     )
 
 
-def test_cuda_ipc_in_place_round_trip(model):
+def test_cuda_ipc_separate_in_place_no_checksum_round_trip(model):
+    _sync_thrice({n: t.cuda() for n, t in model.items()}, "cuda_ipc", checksum=False)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_cuda_ipc_in_place_round_trip(model, checksum):
     """Tensors that are views of one storage are read in place by the receivers."""
     tensors = [t.cuda().contiguous() for t in model.values()]
     sizes = [t.numel() * t.element_size() for t in tensors]
@@ -71,4 +79,4 @@ def test_cuda_ipc_in_place_round_trip(model):
         v.copy_(src)
         views[name] = v
         off += p
-    _sync_thrice(views, get_backend("cuda_ipc")(zero_copy_min_bytes=0))
+    _sync_thrice(views, get_backend("cuda_ipc")(zero_copy_min_bytes=0), checksum=checksum)

@@ -8,6 +8,7 @@ Knows nothing about how buffers are shared or how buckets travel.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -21,10 +22,11 @@ class Replay:
     when the same tensors (the same objects at the same addresses, in the same order) come
     again: a trainer's next step costs no planning or sharing per tensor."""
 
-    __slots__ = ("keys", "msg", "sids", "tensors")
+    __slots__ = ("keys", "msg", "raw", "sids", "tensors")
 
-    def __init__(self, tensors: list, msg: dict, keys: list, sids: dict) -> None:
+    def __init__(self, tensors: list, msg: dict, raw: bytes, keys: list, sids: dict) -> None:
         self.tensors, self.msg, self.keys, self.sids = tensors, msg, keys, sids
+        self.raw = raw  # msg encoded once: a replay sends the same bytes
 
     def take(self, it: Iterator) -> tuple[list[tuple[str, torch.Tensor]], bool]:
         """The next (name, tensor) pairs of `it`, and whether they are this bucket's."""
@@ -57,10 +59,23 @@ class ViewCache:
         # storages again (a trainer's next step): no per-tensor work at all then.
         self._memo: dict[tuple, tuple[list, dict, list[torch.Tensor], list]] = {}
         self._memo_used: set[tuple] = set()
+        # Bucket messages read wholly in place, by index: (encoded, decoded). A replayed
+        # bucket comes again byte for byte, and decoding hundreds of storage descriptors
+        # per sync costs more than comparing the bytes.
+        self._msgs: dict[int, tuple[bytes, dict]] = {}
+        self._msgs_used: dict[int, tuple[bytes, dict]] = {}
 
     @classmethod
     def get(cls, key: str) -> ViewCache:
         return cls._caches.setdefault(key, cls())
+
+    def decoded(self, index: int, raw: bytes) -> dict:
+        """Message `index` of this sync, decoded (or as decoded before, if the same bytes)."""
+        known = self._msgs.get(index)
+        msg = known[1] if known is not None and known[0] == raw else json.loads(raw)
+        if msg.get("noack"):
+            self._msgs_used[index] = (raw, msg)
+        return msg
 
     def take(
         self,
@@ -115,3 +130,4 @@ class ViewCache:
         self._memo = {k: v for k, v in self._memo.items() if k in self._memo_used}
         self._used = set()
         self._memo_used = set()
+        self._msgs, self._msgs_used = self._msgs_used, {}

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from offbeat.ckpt_engine._reuse import Replay, ViewCache
-from offbeat.ckpt_engine._wire import Conn, Listener, connect
+from offbeat.ckpt_engine._wire import Conn, Listener, connect, encode
 from offbeat.ckpt_engine.bucket import (
     Reassembler,
     checksum,
@@ -97,6 +97,11 @@ class SharedBufferSender(Sender):
         self._aborted: str | None = None
         self._storage_ids: dict[Any, int] = {}
         self._held: list[list[torch.Tensor] | None] = [None, None]
+        # Per slot: the index of the bucket it holds that is not yet acked, or None.
+        self._awaiting: list[int | None] = [None, None]
+        self._next_slot = 0
+        # Pieces of buckets read wholly in place (no buffer, no ack): alive until "done".
+        self._held_in_place: list[torch.Tensor] = []
 
     def spec(self, rank: int) -> ReceiveSpec:
         channel = {
@@ -200,7 +205,9 @@ class SharedBufferSender(Sender):
             ext[i] = [sid, offset]
         return ext, new
 
-    def _publish(self, msg: dict[str, Any]) -> None:
+    def _publish(self, msg: dict[str, Any] | bytes) -> None:
+        if not isinstance(msg, bytes):
+            msg = encode(msg)
         for rank, conn in self._live():
             try:
                 conn.send(msg)
@@ -226,10 +233,11 @@ class SharedBufferSender(Sender):
         for bucket in plan_buckets(it, self._bucket_bytes, first_index=index):
             yield bucket.index, bucket, None, None
 
-    def _remember(self, bucket, msg: dict, ext: dict) -> None:
+    def _remember(self, bucket, msg: dict, raw: bytes, ext: dict) -> None:
         """Keep a bucket read wholly in place (and all before it) for replaying."""
         if (
             self._checksum
+            or not msg.get("noack")  # a replay is never acked
             or len(self._pair.replays) != bucket.index
             or len(ext) != len(bucket.entries)
             or not all(e.whole for e in bucket.entries)
@@ -241,27 +249,34 @@ class SharedBufferSender(Sender):
             for e, t in zip(bucket.entries, bucket.origins, strict=True)
         ]
         sids = {k: self._storage_ids[k] for k in keys}
-        self._pair.replays.append(Replay(tensors, msg, keys, sids))
+        self._pair.replays.append(Replay(tensors, msg, raw, keys, sids))
 
     def send(self, named_tensors: NamedTensors) -> SendReport:
         t0 = time.perf_counter()
         report = SendReport()
         try:
             self._accept()
-            for index, bucket, replay, tensors in self._buckets(named_tensors):
+            for _index, bucket, replay, tensors in self._buckets(named_tensors):
                 if not self._live():
                     break
-                slot = index % 2
-                if index >= 2:
-                    self._wait_acks(index - 2)
                 if replay is not None:
                     self._pair.fence()  # the trainer's writes to those tensors are done
-                    self._held[slot] = tensors
-                    self._publish(replay.msg)
+                    self._held_in_place.extend(tensors)
+                    self._publish(replay.raw)
                     report.buckets += 1
                     report.bytes += replay.msg["filled"]
                     continue
                 ext, storages = self._share(bucket)
+                # A bucket read wholly in place (no checksum over a buffer) uses no buffer:
+                # nothing to give back, so receivers do not ack it; they sync their copies
+                # once before "done", and its pieces stay held until then.
+                in_place = not self._checksum and bool(ext) and len(ext) == len(bucket.entries)
+                slot = self._next_slot
+                if not in_place:
+                    self._next_slot ^= 1
+                    if self._awaiting[slot] is not None:
+                        self._wait_acks(self._awaiting[slot])
+                        self._awaiting[slot] = None
                 view = pack(bucket, self._pair.buffers[slot], skip=ext)
                 self._pair.fence()
                 msg = {
@@ -275,22 +290,28 @@ class SharedBufferSender(Sender):
                 if ext:
                     msg["ext"] = {str(i): v for i, v in ext.items()}
                     msg["storages"] = storages
-                    # Pieces read in place must stay alive until this bucket is acked.
-                    self._held[slot] = [bucket.sources[i] for i in ext]
+                if in_place:
+                    msg["noack"] = True
+                    self._held_in_place.extend(bucket.sources)
                 else:
-                    self._held[slot] = None
+                    # Pieces read in place must stay alive until this bucket is acked.
+                    self._held[slot] = [bucket.sources[i] for i in ext] or None
                 if self._checksum:
                     msg["checksum"] = combine(
                         checksum(view), *(checksum(bucket.sources[i]) for i in ext)
                     )
-                else:
-                    self._remember(bucket, msg, ext)
+                raw = encode(msg)
+                if not self._checksum:
+                    self._remember(bucket, msg, raw, ext)
                 del bucket, view
-                self._publish(msg)
+                self._publish(raw)
+                if not in_place:
+                    self._awaiting[slot] = msg["index"]
                 report.buckets += 1
                 report.bytes += msg["filled"]
-            for index in range(max(0, report.buckets - 2), report.buckets):
+            for index in sorted(i for i in self._awaiting if i is not None):
                 self._wait_acks(index)
+            self._awaiting = [None, None]
             self._publish({"type": "end", "buckets": report.buckets})
             self._wait_acks(report.buckets, kind="done")
         except BaseException as e:
@@ -300,6 +321,8 @@ class SharedBufferSender(Sender):
             for _rank, conn in self._live():
                 conn.close()
             self._held = [None, None]
+            self._awaiting = [None, None]
+            self._held_in_place = []
             self._pair.release()
             self._listener.close()
         if self._aborted is not None:
@@ -350,6 +373,7 @@ def receive_shared(
         storages: dict[int, torch.Tensor] = {}
         expected = 0
         pending: tuple[int, Any] | None = None
+        unacked = False  # copies of buckets read wholly in place, not yet waited for
 
         def flush() -> None:
             nonlocal pending
@@ -364,12 +388,19 @@ def receive_shared(
                 flush()  # never block while holding an ack the sender may wait for
             # Before the first bucket the sender may spend a whole timeout waiting for
             # other receivers to connect.
-            msg = conn.recv(spec.timeout_s * (2 if expected == 0 else 1))
+            raw = conn.recv_raw(spec.timeout_s * (2 if expected == 0 else 1))
+            # A bucket read wholly in place comes again byte for byte in the next sync of
+            # the same stream (a replay): reuse what was decoded then.
+            msg = views.decoded(expected, raw)
             kind = msg.get("type")
             if kind == "abort":
                 raise PeerError(f"the sender aborted the sync: {msg.get('reason')}")
             if kind == "end":
                 flush()
+                if unacked:
+                    event = mark()
+                    if event is not None:
+                        event.synchronize()  # every copy done before reporting the version
                 if msg["buckets"] != expected:
                     raise PeerError(
                         f"sender ended after {msg['buckets']} buckets, received {expected}"
@@ -402,6 +433,11 @@ def receive_shared(
             if tensors:
                 load_weights(tensors)
             del tensors, view
+            if msg.get("noack"):
+                # Read wholly in place: no buffer to give back, so no event and no ack.
+                unacked = True
+                expected += 1
+                continue
             event = mark()
             flush()  # the previous bucket: its copies were queued before this one's
             if event is None:

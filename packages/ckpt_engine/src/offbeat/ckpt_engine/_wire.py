@@ -20,6 +20,10 @@ _HEADER = struct.Struct("!Q")
 _MAX_MESSAGE = 1 << 30
 
 
+def encode(msg: dict[str, Any]) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode()
+
+
 class Conn:
     """One end of a control connection."""
 
@@ -28,8 +32,10 @@ class Conn:
         self._sock = sock
         self.peer = peer
 
-    def send(self, msg: dict[str, Any]) -> None:
-        data = json.dumps(msg, separators=(",", ":")).encode()
+    def send(self, msg: dict[str, Any] | bytes) -> None:
+        """Send a message, or one already encoded by `encode` (sent to several peers, or
+        again in a later sync, it is encoded once)."""
+        data = msg if isinstance(msg, bytes) else encode(msg)
         try:
             self._sock.settimeout(None)
             self._sock.sendall(_HEADER.pack(len(data)) + data)
@@ -45,11 +51,16 @@ class Conn:
         return bool(readable)
 
     def recv(self, timeout_s: float) -> dict[str, Any]:
+        return json.loads(self.recv_raw(timeout_s))
+
+    def recv_raw(self, timeout_s: float) -> bytes:
+        """The next message, still encoded (a receiver that saw the same bytes before may
+        reuse what it decoded then)."""
         deadline = time.monotonic() + timeout_s
         (n,) = _HEADER.unpack(self._read(_HEADER.size, deadline, timeout_s))
         if n > _MAX_MESSAGE:
             raise PeerError(f"{self.peer}: message of {n} bytes is not a control message")
-        return json.loads(self._read(n, deadline, timeout_s))
+        return self._read(n, deadline, timeout_s)
 
     def _read(self, n: int, deadline: float, timeout_s: float) -> bytes:
         chunks, got = [], 0
