@@ -16,6 +16,17 @@ from offbeat.core.buffer import (
 from offbeat.core.data import Trajectory
 
 
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch):
+    """The buffer's core never needs Ray: make ray.init fail if anything calls it."""
+    ray = pytest.importorskip("ray")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init called by a buffer unit test")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
 def traj(version: int = 0, reward: float = 1.0) -> Trajectory:
     return Trajectory([1, 2], [3], [-0.5], reward, version, version)
 
