@@ -23,6 +23,7 @@ from offbeat.core.config import ConfigError
         ("async_training.max_off_policy_strategy=skip", "async_training.max_off_policy_strategy"),
         ("model.path=./no/such/model", "model.path"),
         ("runtime.ckpt_backend=pigeon", "runtime.ckpt_backend"),
+        ("runtime.trainer_cpus=[4096]", "runtime.trainer_cpus"),
     ],
 )
 def test_invalid_config_names_the_key(override, key):

@@ -185,6 +185,22 @@ def test_wait_mode_threshold_one_is_on_policy(world):
     check_accounting(summary["trainer"])
 
 
+def test_decoupled_ppo_with_rollout_correction(world):
+    tmp, prepared, servers = world
+    cfg = config(
+        tmp, "decoupled", "trainer.total_training_steps=2",
+        "algorithm.old_log_prob_source=trainer", "algorithm.rollout_is_level=token",
+    )  # fmt: skip
+    summary = run(tmp, prepared, servers, cfg)
+    rows = metric_rows(summary)
+    assert len(rows) == 2
+    # the proximal forward ran (on the start-of-step weights) and the IS weights were used
+    assert all(r["timing/old_log_prob_s"] > 0 for r in rows)
+    assert all("rollout_is/ratio_mean" in r for r in rows)
+    assert all(abs(r["rollout_is/ratio_mean"] - 1.0) < 0.5 for r in rows)
+    check_accounting(summary["trainer"])
+
+
 def test_one_of_two_replicas_killed_mid_run(world):
     import ray
 

@@ -116,6 +116,10 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
         if rt.ckpt_backend not in backends():
             p.add("runtime.ckpt_backend", rt.ckpt_backend, f"one of {sorted(backends())}")
         p.require_int("runtime.max_concurrent_groups", rt.max_concurrent_groups)
+        usable = sorted(os.sched_getaffinity(0))
+        bad_cpus = [c for c in rt.trainer_cpus if c not in usable]
+        if bad_cpus:
+            p.add("runtime.trainer_cpus", list(rt.trainer_cpus), f"cores of this machine: {usable}")
         p.require_int("runtime.trainer_threads", rt.trainer_threads)
 
 
