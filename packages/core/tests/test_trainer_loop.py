@@ -360,6 +360,17 @@ async def test_null_per_row_sampling_overrides_are_ignored(tmp_path):
     assert seen == [{"max_tokens": 8}, {"max_tokens": 3, "ignore_eos": True}]
 
 
+async def test_a_hung_rollout_fails_the_run_instead_of_hanging(tmp_path):
+    h = Harness(tmp_path, stall_timeout_s=0.3)
+
+    async def never(*args, **kwargs):
+        await asyncio.Event().wait()
+
+    h.servers["s0"].generate = never
+    with pytest.raises(RuntimeError, match=r"finished nothing .*stall_timeout_s"):
+        await asyncio.wait_for(h.trainer.run(), 30)
+
+
 def test_settings_reject_unknown_mode():
     with pytest.raises(ValueError, match=r"trainer\.mode='fast'"):
         Trainer(make_settings(mode="fast"), engine=None, buffer=None, driver=None, pool=None,

@@ -56,6 +56,7 @@ class RuntimeConfig:
     max_concurrent_groups: int = 32  # prompt groups generated at once
     ckpt_backend: str = "shm"  # a name in offbeat.ckpt_engine.backends()
     sync_timeout_s: float = 300.0
+    stall_timeout_s: float = 900.0  # no rollout progress this long while training waits: fail
     checkpoint_keep_last: int = 2
     progress_bar: bool = True
 

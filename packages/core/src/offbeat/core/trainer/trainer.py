@@ -57,6 +57,9 @@ class TrainerSettings:
     val_before_train: bool = False
     resume: bool = False
     pad_token_id: int = 0
+    # Raise (instead of hanging) when the rollout finishes nothing for this long while the
+    # trainer waits for a batch; None: wait forever.
+    stall_timeout_s: float | None = None
 
     @classmethod
     def from_job(cls, cfg: Any, *, pad_token_id: int = 0) -> TrainerSettings:
@@ -77,6 +80,7 @@ class TrainerSettings:
             val_before_train=cfg.trainer.val_before_train,
             resume=cfg.trainer.resume,
             pad_token_id=pad_token_id,
+            stall_timeout_s=getattr(getattr(cfg, "runtime", None), "stall_timeout_s", None),
         )
 
 
@@ -252,14 +256,33 @@ class Trainer:
             "val_history": self.val_history,
         }
 
+    def _progress(self) -> tuple[int, ...]:
+        c = self.buffer.core.counts()
+        done = (c["finished"], c["trained"], c["evicted"], c["failed"])
+        return (*done, self.driver.tokens_generated)
+
     async def _wait_for_batch(self, step: int) -> tuple[list[PromptGroup], list[PromptGroup]]:
         waiter = asyncio.ensure_future(self.buffer.sample(self.s.train_batch_size))
+        last, since = self._progress(), time.perf_counter()
         while True:
-            done, _ = await asyncio.wait([waiter], timeout=1.0)
+            done, _ = await asyncio.wait([waiter], timeout=min(1.0, self.s.stall_timeout_s or 1.0))
             if done:
                 return waiter.result()
             try:
                 self.driver.check()
+                now = self._progress()
+                if now != last:
+                    last, since = now, time.perf_counter()
+                elif (
+                    self.s.stall_timeout_s and time.perf_counter() - since > self.s.stall_timeout_s
+                ):
+                    c = self.buffer.core.counts()
+                    raise RuntimeError(
+                        f"step {step}: the rollout finished nothing for "
+                        f"{self.s.stall_timeout_s:.0f}s (runtime.stall_timeout_s) while the "
+                        f"trainer waited for {self.s.train_batch_size} groups; buffer {c}; "
+                        f"replicas {self.pool.server_ids}, removed {self.pool.removed}"
+                    )
             except BaseException:
                 waiter.cancel()
                 raise
