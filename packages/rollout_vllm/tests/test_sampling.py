@@ -33,6 +33,8 @@ def test_max_new_tokens_is_an_alias():
         ({"n": 3}, "n=3"),
         ({"top_p": 2.0}, "top_p"),
         (["max_tokens", 3], "must be a mapping"),
+        ({"temperature": None}, r"temperature=None: expected a number"),
+        ({"top_k": "5"}, r"top_k='5': expected a number"),
     ],
 )
 def test_bad_params_name_the_problem(params, match):

@@ -64,8 +64,38 @@ def to_sampling_params(params: Mapping[str, Any]) -> SamplingParams:
         )
     for key in FORCED_KEYS & set(kwargs):
         kwargs.pop(key)
+    _check_value_types(kwargs)
     kwargs.update(logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     try:
         return SamplingParams(**kwargs)
     except Exception as e:  # vLLM's VLLMValidationError is not a ValueError
         raise ValueError(f"invalid sampling_params {dict(params)!r}: {e}") from e
+
+
+def _check_value_types(kwargs: Mapping[str, Any]) -> None:
+    """Reject values vLLM would only trip over inside the engine: a wrong type there kills
+    the engine core's input thread instead of failing this one request (seen with a None
+    temperature coming from a parquet row)."""
+    defaults = _defaults()
+    for key, value in kwargs.items():
+        if key == "max_tokens":  # checked above; None means "up to max_model_len"
+            continue
+        default = defaults.get(key)
+        if default is None or isinstance(default, bool) or not isinstance(default, int | float):
+            continue
+        if value is None or isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(
+                f"sampling_params {key}={value!r}: expected a number "
+                f"(vLLM's default is {default!r})"
+            )
+
+
+_DEFAULTS: dict[str, Any] | None = None
+
+
+def _defaults() -> dict[str, Any]:
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        sp = SamplingParams()
+        _DEFAULTS = {k: getattr(sp, k, None) for k in sampling_keys()}
+    return _DEFAULTS
