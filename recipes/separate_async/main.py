@@ -24,35 +24,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from offbeat.core.registry import ROLLOUT_ENGINES
 from offbeat.core.trainer.job import RunConfig, run_job
 
 CONFIG = RunConfig  # the schema config.yaml and the overrides are loaded into
-
-
-def vllm_replica(job: RunConfig, model_path: str, index: int) -> Any:
-    """One vLLM engine replica as a Ray actor, seen through the RolloutServer protocol."""
-    from offbeat.rollout_vllm import RemoteRolloutServer, VLLMServerConfig, vllm_server_actor
-
-    rt = job.runtime
-    engine_kwargs = {
-        "dtype": job.model.dtype,
-        "tensor_parallel_size": job.rollout.tensor_parallel_size,
-        **job.rollout.engine_kwargs,
-    }
-    handle = vllm_server_actor(
-        VLLMServerConfig(
-            model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"
-        ),
-        num_cpus=rt.rollout_num_cpus,
-        num_gpus=rt.rollout_num_gpus,
-        runtime_env={"env_vars": dict(rt.rollout_env)},
-    )
-    return RemoteRolloutServer(handle)
-
-
-if "vllm" not in ROLLOUT_ENGINES.registered():
-    ROLLOUT_ENGINES.register("vllm", vllm_replica)
+# Rollout replicas come from the `rollout.engine` registry entry (offbeat-rollout-vllm
+# registers "vllm" through its entry point).
 
 
 def report(summary: dict[str, Any]) -> None:
