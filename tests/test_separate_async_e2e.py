@@ -117,7 +117,7 @@ def check_accounting(trainer) -> None:
 
 
 class Killed(Exception):
-    pass
+    """Raised by a test hook to stop a run mid-way, as a crash would."""
 
 
 def test_local_job_listens_on_loopback_only(world):

@@ -106,16 +106,16 @@ class FakeServer:
         self._running.set()
 
     async def release_kv_cache(self):
-        pass
+        return None  # nothing to release or restore in a fake
 
     async def resume_kv_cache(self):
-        pass
+        return None  # nothing to release or restore in a fake
 
     async def sleep(self, level=1):
-        pass
+        return None  # nothing to release or restore in a fake
 
     async def wake_up(self, tags=None):
-        pass
+        return None  # nothing to release or restore in a fake
 
     async def update_weights(self, spec: ReceiveSpec) -> int:
         if self.dead:
