@@ -24,6 +24,20 @@ __all__ = ["WeightSyncExtension"]
 logger = logging.getLogger(__name__)
 
 
+class _WeightlessLayerFilter(logging.Filter):
+    """vLLM's layerwise reload warns "Failed to load weights" for layers that hold only
+    buffers no checkpoint carries (RotaryEmbedding's cos/sin cache); it keeps them as they
+    were, which is right, so the warning would only repeat on every sync."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+    _WeightlessLayerFilter()
+)
+
+
 def _layerwise_reload():
     try:
         from vllm.model_executor.model_loader.reload import (
