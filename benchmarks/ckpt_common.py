@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import time
 
 import torch
@@ -73,9 +74,57 @@ def model_digest(model: dict[str, torch.Tensor]) -> int:
     return combine(*(checksum(t.reshape(-1).view(torch.uint8)) for t in model.values()))
 
 
-def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -> None:
+TIMELINE: list[tuple[str, float]] = []
+
+
+def _timeline_receive(spec, load_weights, held, got: float, t0: float) -> int:
+    """`receive`, noting when it connects, each bucket's load_weights and the end, in
+    TIMELINE (perf_counter is one monotonic clock for every process of the machine)."""
+    from offbeat.ckpt_engine import _shared_buffer, receive
+
+    TIMELINE[:] = [("receiver: command received", got), ("receiver: receive() called", t0)]
+    real_connect = _shared_buffer.connect
+
+    def connect(*a, **kw):
+        conn = real_connect(*a, **kw)
+        TIMELINE.append(("receiver: connected", time.perf_counter()))
+        return conn
+
+    def load(pairs):
+        TIMELINE.append(("receiver: load_weights in", time.perf_counter()))
+        load_weights(pairs)
+        TIMELINE.append(("receiver: load_weights out", time.perf_counter()))
+
+    _shared_buffer.connect = connect
+    try:
+        held = receive(spec, load, held)
+    finally:
+        _shared_buffer.connect = real_connect
+    TIMELINE.append(("receiver: receive() returned", time.perf_counter()))
+    return held
+
+
+class Channel:
+    """One end of a duplex pipe with a queue's put/get: a command reaches the other process
+    in tens of microseconds (a multiprocessing.Queue adds a feeder thread and more)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, obj) -> None:
+        self.conn.send(obj)
+
+    def get(self, timeout: float | None = None):
+        if timeout is not None and not self.conn.poll(timeout):
+            raise queue.Empty
+        return self.conn.recv()
+
+
+def receiver_main(conn, shapes, dtype, device, loader: str = "torch") -> None:
     """A receiving process: a pre-allocated model and a loop over commands."""
     from offbeat.ckpt_engine import copy_into, receive
+
+    cmds = results = Channel(conn)
 
     if device.startswith("cuda"):
         torch.cuda.set_device(0)
@@ -105,20 +154,28 @@ def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -
         for name, t in pairs:
             model[name].copy_(t)
 
+    def arm() -> tuple[int, int]:
+        """Memory before the next command; peaks reset (done after answering one, so it
+        is not inside the next sync's timed window)."""
+        reset_peak_rss()
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+            return proc_status("VmRSS"), torch.cuda.memory_allocated()
+        return proc_status("VmRSS"), 0
+
     results.put(("ready", proc_status("VmRSS")))
+    base, base_gpu = arm()
     while True:
         cmd = cmds.get()
+        got = time.perf_counter()
         if cmd is None:
             return
         try:
             if cmd[0] == "sync":
-                base = proc_status("VmRSS")
-                reset_peak_rss()
-                if device.startswith("cuda"):
-                    torch.cuda.reset_peak_memory_stats()
-                    base_gpu = torch.cuda.memory_allocated()
                 t0 = time.perf_counter()
-                if len(cmd) > 2 and cmd[2] == "profile":
+                if len(cmd) > 2 and cmd[2] == "timeline":
+                    held = _timeline_receive(cmd[1], load_weights, held, got, t0)
+                elif len(cmd) > 2 and cmd[2] == "profile":
                     import cProfile
                     import io
                     import pstats
@@ -134,7 +191,10 @@ def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -
                 extra_gpu = (
                     torch.cuda.max_memory_allocated() - base_gpu if device.startswith("cuda") else 0
                 )
-                results.put(("ok", held, dt, proc_status("VmHWM") - base, extra_gpu))
+                results.put(
+                    ("ok", held, dt, proc_status("VmHWM") - base, extra_gpu, list(TIMELINE))
+                )
+                TIMELINE.clear()
             elif cmd[0] == "loader":
                 state["loader"] = cmd[1]
                 results.put(("ok", cmd[1]))
@@ -206,16 +266,18 @@ def receiver_main(cmds, results, shapes, dtype, device, loader: str = "torch") -
                 results.put(("ok", 0))
         except Exception as e:
             results.put(("error", f"{type(e).__name__}: {e}"))
+        base, base_gpu = arm()
 
 
 class ReceiverProcess:
     """A SyncTarget whose model lives in a spawned `receiver_main` process."""
 
     def __init__(self, ctx, shapes, dtype, device: str, loader: str = "torch") -> None:
-        self.cmds, self.results = ctx.Queue(), ctx.Queue()
+        mine, theirs = ctx.Pipe()
+        self.cmds = self.results = Channel(mine)
         self.proc = ctx.Process(
             target=receiver_main,
-            args=(self.cmds, self.results, shapes, dtype, device, loader),
+            args=(theirs, shapes, dtype, device, loader),
             daemon=True,
         )
         self.proc.start()
@@ -244,10 +306,14 @@ class ReceiverProcess:
     async def resume(self) -> None: ...
 
     profile_next = False
+    timeline_next = False
 
     async def update_weights(self, spec) -> int:
         extra = ("profile",) if self.profile_next else ()
+        extra = ("timeline",) if self.timeline_next else extra
+        self.marks = [("target: update_weights called", time.perf_counter())]
         self.last = await asyncio.to_thread(self.call, "sync", spec, *extra)
+        self.marks.append(("target: update_weights answered", time.perf_counter()))
         self._version = self.last[0]
         return self._version
 

@@ -10,9 +10,11 @@ run (bytes copied per second), for three sender layouts:
   packed    separate tensors with in-place reading off (zero_copy_min_bytes=None): every byte
             is packed into a bucket buffer by the sender, then copied out by the receiver.
 
-and two receiver loaders: `copy_` (one copy_ call per tensor) and `copy_into` (the package's
-loader: one copy_ per tensor above 1 MiB, torch._foreach_copy_ over the smaller ones). The first two syncs of each row
-are not timed (the first packs and records the sender's storages, the second opens them).
+and two receiver loaders: `copy_` (one copy_ call per tensor, what a plain `load_weights`
+does) and `copy_into` (the package's loader: a bucket whose tensors come again at the same
+addresses is replayed as one CUDA graph of copy kernels; see `benchmarks/ckpt_copy_paths.py`).
+The first two syncs of each row are not timed (the first packs and records the sender's
+storages, the second opens them and copy_into captures its graphs).
 
     PYTHONPATH=packages/ckpt_engine/src python3 benchmarks/ckpt_cuda_ipc.py
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import time
 
 import torch
 from ckpt_common import GiB, MiB, ReceiverProcess, alloc_model, model_digest, shapes_for
@@ -53,6 +56,47 @@ def _profile_sender() -> None:
     _shared_buffer.SharedBufferSender.send = send
 
 
+SENDER_TIMELINE: list[tuple[str, float]] = []
+
+
+def _timeline_sender() -> None:
+    """Note when the sender starts, has its receivers, publishes each bucket, has its acks
+    and returns (for --timeline)."""
+    from offbeat.ckpt_engine import _shared_buffer, manager
+
+    cls = _shared_buffer.SharedBufferSender
+
+    def wrap(owner, name: str, before: str | None, after: str | None) -> None:
+        real = getattr(owner, name)
+
+        def fn(*a, **kw):
+            if before:
+                SENDER_TIMELINE.append((before, time.perf_counter()))
+            out = real(*a, **kw)
+            if after:
+                SENDER_TIMELINE.append((after, time.perf_counter()))
+            return out
+
+        setattr(owner, name, fn)
+
+    wrap(cls, "send", "sender: send() called", "sender: send() returned")
+    wrap(cls, "_accept", None, "sender: receivers connected")
+    wrap(cls, "_publish", None, "sender: published")
+    wrap(cls, "_wait_acks", None, "sender: acks/done in")
+    wrap(manager.CheckpointEngineManager, "_transfer", "manager: transfer start", None)
+
+
+def _print_timeline(marks: list[tuple[str, float]]) -> None:
+    marks = sorted(marks, key=lambda m: m[1])
+    t0 = marks[0][1]
+    last = None
+    for label, t in marks:
+        if label == last and label.endswith(("published", "load_weights in", "load_weights out")):
+            continue  # the first of a run of the same mark is enough
+        print(f"  {(t - t0) * 1e3:8.3f} ms  {label}")
+        last = label
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=8.0)
@@ -60,12 +104,17 @@ async def main() -> None:
     ap.add_argument("--buckets-mib", default="512")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="profile the last sync of each row")
+    ap.add_argument(
+        "--timeline", action="store_true", help="print a timeline of the last sync of each row"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ckpt_cuda_ipc needs a CUDA device")
     torch.cuda.set_device(0)
     if args.profile:
         _profile_sender()
+    if args.timeline:
+        _timeline_sender()
     shapes = shapes_for(int(args.gib * GiB), args.tensors, rows=4096)
     ctx = mp.get_context("spawn")
     receiver = ReceiverProcess(ctx, shapes, torch.bfloat16, "cuda")
@@ -96,7 +145,7 @@ async def main() -> None:
         f"the receiver's own load_weights (500 copy_ calls) from the same shared storage: {floor:.0f} GB/s"
     )
     print(
-        f"the receiver's own load_weights (copy_into) from the same shared storage: {floor_foreach:.0f} GB/s"
+        f"the receiver's own load_weights (copy_into, graphs replayed) from the same shared storage: {floor_foreach:.0f} GB/s"
     )
     print()
     print(
@@ -108,7 +157,9 @@ async def main() -> None:
         ("separate", packed, "copy_"),
         ("separate", packed, "copy_into"),
         ("flat", flat, "copy_"),
+        ("flat", flat, "copy_into"),
         ("packed", packed, "copy_"),
+        ("packed", packed, "copy_into"),
     ]
     for layout, model, loader in rows:
         receiver.call("loader", "foreach" if loader == "copy_into" else "torch")
@@ -121,8 +172,23 @@ async def main() -> None:
                     version += 1
                     receiver.profile_next = args.profile and rep == args.reps + 1
                     _PROFILE_NEXT[0] = receiver.profile_next
+                    receiver.timeline_next = args.timeline and rep == args.reps + 1
+                    SENDER_TIMELINE.clear()
+                    t_sync = time.perf_counter()
                     res = await mgr.sync(model.items(), version, {"r": receiver})
+                    t_end = time.perf_counter()
                     assert res.ok, res.failed
+                    if receiver.timeline_next:
+                        print(f"## timeline: {layout} / {loader}")
+                        _print_timeline(
+                            [
+                                ("manager: sync() called", t_sync),
+                                ("manager: sync() returned", t_end),
+                            ]
+                            + SENDER_TIMELINE
+                            + receiver.marks
+                            + receiver.last[4]
+                        )
                     if receiver.profile_next:
                         print("## phases", {k: round(v * 1e3, 2) for k, v in res.phase_s.items()})
                     if rep >= 2:

@@ -102,12 +102,28 @@ class RecordingTarget:
 # -- a receiver in its own process -------------------------------------------------------
 
 
-def receiver_main(specs, results, kill_after: int | None = None, current_version: int = 0) -> None:
+def receiver_main(
+    specs,
+    results,
+    kill_after: int | None = None,
+    current_version: int = 0,
+    into: dict | None = None,
+) -> None:
     """Child process: run `receive` for every spec from `specs`; answer digests or errors.
 
-    With `kill_after`, the process SIGKILLs itself inside load_weights of that bucket.
+    With `kill_after`, the process SIGKILLs itself inside load_weights of that bucket. With
+    `into` ({name: (shape, dtype, device)}), weights land in a model allocated once and
+    kept across syncs, through the package's `copy_into`.
     """
+    from offbeat.ckpt_engine import copy_into
+
     held = current_version
+    model = (
+        {n: torch.zeros(shape, dtype=dtype, device=dev) for n, (shape, dtype, dev) in into.items()}
+        if into
+        else None
+    )
+    loader = copy_into(model) if model else None
     while True:
         spec = specs.get()
         if spec is None:
@@ -117,11 +133,16 @@ def receiver_main(specs, results, kill_after: int | None = None, current_version
         def load(pairs, sink=sink):
             if kill_after is not None and sink.calls >= kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
-            sink.load_weights(pairs)
+            if loader is not None:
+                sink.calls += 1
+                loader(pairs)
+            else:
+                sink.load_weights(pairs)
 
         try:
             held = receive(spec, load, held)
-            results.put(("ok", held, {n: digest(t) for n, t in sink.weights.items()}))
+            weights = model if model is not None else sink.weights
+            results.put(("ok", held, {n: digest(t) for n, t in weights.items()}))
         except Exception as e:
             results.put(("error", type(e).__name__, str(e) + "\n" + traceback.format_exc(limit=3)))
 
@@ -129,10 +150,14 @@ def receiver_main(specs, results, kill_after: int | None = None, current_version
 class ProcessTarget:
     """A SyncTarget whose model lives in a spawned process (lifecycle calls are no-ops)."""
 
-    def __init__(self, ctx, kill_after: int | None = None, version: int = 0) -> None:
+    def __init__(
+        self, ctx, kill_after: int | None = None, version: int = 0, into: dict | None = None
+    ) -> None:
         self.specs, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(
-            target=receiver_main, args=(self.specs, self.results, kill_after, version), daemon=True
+            target=receiver_main,
+            args=(self.specs, self.results, kill_after, version, into),
+            daemon=True,
         )
         self.proc.start()
         self._version = version

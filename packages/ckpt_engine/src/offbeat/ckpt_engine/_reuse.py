@@ -124,10 +124,13 @@ class ViewCache:
         return out
 
     def trim(self) -> None:
-        for b in [b for b in self._bases if b not in self._used]:
-            del self._bases[b]
-        self._views = {k: v for k, v in self._views.items() if k[0] in self._used}
-        self._memo = {k: v for k, v in self._memo.items() if k in self._memo_used}
+        # The same stream as last time (a trainer's step) used everything: nothing to drop.
+        if not self._used.issuperset(self._bases):
+            for b in [b for b in self._bases if b not in self._used]:
+                del self._bases[b]
+            self._views = {k: v for k, v in self._views.items() if k[0] in self._used}
+        if not self._memo_used.issuperset(self._memo):
+            self._memo = {k: v for k, v in self._memo.items() if k in self._memo_used}
         self._used = set()
         self._memo_used = set()
         self._msgs, self._msgs_used = self._msgs_used, {}

@@ -51,6 +51,7 @@ class _CudaPair(BufferPair):
             torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)
         ]
         self._handles = [_describe(b) for b in self.buffers]
+        self._described: dict[str, Any] | None = None
         # storage key -> [weak reference, descriptor ("" until first shared), sync first seen]
         self._shared: dict[tuple[int, int], list] = {}
         self._seen: set[tuple[int, int]] = set()
@@ -58,8 +59,11 @@ class _CudaPair(BufferPair):
 
     def describe(self) -> dict[str, Any]:
         # Plain strings: RPC layers that re-encode the spec (msgpack, JSON) pass it intact.
-        ipc = [base64.b64encode(pickle.dumps(h)).decode() for h in self._handles]
-        return {"ipc": ipc, "device_uuid": _uuid(self.device.index)}
+        # The buffers live as long as the pair: described once.
+        if self._described is None:
+            ipc = [base64.b64encode(pickle.dumps(h)).decode() for h in self._handles]
+            self._described = {"ipc": ipc, "device_uuid": _uuid(self.device.index)}
+        return dict(self._described)
 
     def fence(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
@@ -96,10 +100,11 @@ class _CudaPair(BufferPair):
         self._seen.update(keys)
 
     def release(self) -> None:
-        # Remember (weakly) the storages this sync sent from, for the next one.
-        self._shared = {
-            k: v for k, v in self._shared.items() if k in self._seen and not v[0].expired()
-        }
+        # Remember (weakly) the storages this sync sent from, for the next one. A trainer's
+        # step sends from the same ones: nothing to drop then (a storage freed since is
+        # noticed by `share`, which checks the weak reference before reading in place).
+        if not self._seen.issuperset(self._shared):
+            self._shared = {k: v for k, v in self._shared.items() if k in self._seen}
         self._seen = set()
         self._sync += 1
 
@@ -242,10 +247,12 @@ class CudaIpcBackend(Backend):
             return receive_shared(spec, load_weights, current_version, attach, mark, open_storage)
         finally:
             with _OPENED_LOCK:  # forget what this sync no longer offered
-                for key in [k for k in _OPENED if k not in used]:
-                    del _OPENED[key]
-                for blob in [b for b in _OPENED_STORAGES if b not in used_storages]:
-                    del _OPENED_STORAGES[blob]
+                if not used.issuperset(_OPENED):
+                    for key in [k for k in _OPENED if k not in used]:
+                        del _OPENED[key]
+                if not used_storages.issuperset(_OPENED_STORAGES):
+                    for blob in [b for b in _OPENED_STORAGES if b not in used_storages]:
+                        del _OPENED_STORAGES[blob]
 
 
 register_backend("cuda_ipc", CudaIpcBackend)
