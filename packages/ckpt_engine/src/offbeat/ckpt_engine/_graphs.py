@@ -61,6 +61,8 @@ class GraphedCopies:
         self._graphs: OrderedDict[tuple, torch.cuda.CUDAGraph | None] = OrderedDict()
         self._streams: dict[int, list[torch.cuda.Stream]] = {}
         self._lock = threading.Lock()
+        # One capture at a time: captures share this object's side streams.
+        self._capture_lock = threading.Lock()
         self.disabled: str | None = None
 
     def _key(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple | None:
@@ -99,7 +101,8 @@ class GraphedCopies:
                         self._graphs.popitem(last=False)
                 return False
             try:
-                graph = self._capture(dsts, srcs)
+                with self._capture_lock:
+                    graph = self._capture(dsts, srcs)
             except Exception as e:  # no graphs here: copy eagerly from now on
                 self.disabled = f"{type(e).__name__}: {e}"
                 return False
