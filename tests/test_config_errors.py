@@ -49,3 +49,114 @@ def test_offbeat_run_fails_fast_without_starting_anything():
     assert "resources.trainer_devices+resources.rollout_devices" in proc.stderr
     out = proc.stdout + proc.stderr
     assert "Ray" not in out and "vLLM" not in out and "EngineCore" not in out
+
+
+# Accepted means it runs: what the runtime does not honour is rejected naming the key, the
+# value and what is missing or valid (offbeat.core.config.support and
+# offbeat.core.trainer.runtime_checks).
+NOT_HONOURED = [
+    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "no critic engine yet"),
+    (["algorithm.use_kl_loss=true"], "algorithm.use_kl_loss", "no reference model yet"),
+    (
+        ["actor.tensor_model_parallel_size=2"],
+        "actor.tensor_model_parallel_size",
+        "fsdp2 has no tensor/pipeline parallelism",
+    ),
+    (
+        ["actor.pipeline_model_parallel_size=2"],
+        "actor.pipeline_model_parallel_size",
+        "use actor.engine=megatron (not built yet)",
+    ),
+    (["algorithm.gamma=0.99"], "algorithm.gamma", "only GAE"),
+    (["algorithm.lam=0.95"], "algorithm.lam", "only GAE"),
+    (["critic.lr=2e-5"], "critic.lr", "nothing reads critic.*"),
+    (["critic.model_path=/models/critic"], "critic.model_path", "nothing reads critic.*"),
+    (["algorithm.kl_loss_coef=0.1"], "algorithm.kl_loss_coef", "use_kl_loss=true"),
+    (["algorithm.rollout_is_threshold=3.0"], "algorithm.rollout_is_threshold", "token or sequence"),
+    (
+        ["algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=false"],
+        "algorithm.norm_adv_by_std_in_grpo",
+        "'rloo' ignores it",
+    ),
+    (
+        ["resources.devices_per_node=3", "resources.trainer_devices=2"],
+        "resources.trainer_devices",
+        "until the distributed trainer lands",
+    ),
+    (
+        ["resources.num_nodes=2", "resources.rollout_devices=3"],
+        "resources.num_nodes",
+        "runtime.ckpt_backend='shm' moves weights within one machine only",
+    ),
+    (["runtime.ckpt_backend=naive"], "runtime.ckpt_backend", "Ray actor of its own"),
+    (["runtime.ckpt_backend=cuda_ipc"], "runtime.ckpt_backend", "needs resources.device in"),
+    (["runtime.rollout_num_gpus=1"], "runtime.rollout_num_gpus", "the replicas run on CPU"),
+    (["resources.device=npu"], "resources.device", "offbeat-device-ascend[npu]"),
+    (["rollout.engine_kwargs.dtype=bfloat16"], "rollout.engine_kwargs.dtype", "model.dtype"),
+    (
+        ["rollout.engine_kwargs.hf_overrides={rope_theta: 1.0}"],
+        "rollout.engine_kwargs.hf_overrides",
+        "model.override_config",
+    ),
+    (["model.override_config={no_such_field: 1}"], "model.override_config", "no_such_field"),
+    (["runtime.rollout_env={}"], "runtime.rollout_env", "changes nothing"),
+    (["warm_start.enabled=true", "warm_start.steps=0"], "warm_start.steps", "needs steps > 0"),
+    (["trainer.total_epochs=1", "task.n_train=31"], "trainer.total_epochs", "no whole batch"),
+    (
+        ["runtime.ray_address=auto", "runtime.ray_num_cpus=16"],
+        "runtime.ray_num_cpus",
+        "only read when the job starts a local Ray",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, key, phrase", NOT_HONOURED, ids=[c[1] + ":" + c[0][-1] for c in NOT_HONOURED]
+)
+def test_what_the_runtime_does_not_honour_is_rejected(overrides, key, phrase):
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", overrides)
+    mine = [str(p) for p in info.value.problems if p.key == key]
+    assert mine, str(info.value)
+    assert any(phrase in m for m in mine), mine
+
+
+def test_cuda_is_rejected_on_a_machine_without_it(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", ["resources.device=cuda"])
+    by_key = {p.key: str(p) for p in info.value.problems}
+    assert "torch.cuda.is_available() is False" in by_key["resources.device"]
+    assert "OFFBEAT_STACK=gpu" in by_key["resources.device"]
+    # ...and the replicas would get no GPU: the YAML gives them 0.
+    assert "each replica is given its" in by_key["runtime.rollout_num_gpus"]
+
+
+def test_cuda_without_gpus_for_the_replicas_is_rejected_where_cuda_exists(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", ["resources.device=cuda"])
+    assert [p.key for p in info.value.problems] == ["runtime.rollout_num_gpus"], str(info.value)
+    load_recipe_config("separate_async", ["resources.device=cuda", "runtime.rollout_num_gpus=1"])
+    with pytest.raises(ConfigError, match="this machine has 2 visible CUDA devices"):
+        load_recipe_config(
+            "separate_async",
+            ["resources.device=cuda", "runtime.rollout_num_gpus=1", "resources.devices_per_node=4",
+             "resources.rollout_devices=3"],
+        )  # fmt: skip
+
+
+def test_npu_without_the_plugin_names_the_package(monkeypatch):
+    from offbeat.core.registry import DEVICES
+
+    monkeypatch.setattr(DEVICES, "_entry_points", lambda: {})  # offbeat-device-ascend absent
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", ["resources.device=npu"])
+    (problem,) = [p for p in info.value.problems if p.key == "resources.device"]
+    assert "unknown device" in problem.expected
+    assert "offbeat-device-ascend[npu]" in problem.expected and "torch-npu" in problem.expected

@@ -125,6 +125,18 @@ def test_from_job_config_maps_the_keys(model_dir):
     assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.2, 0.2, 3.0)
 
 
+def test_model_override_config_reaches_the_built_model(model_dir):
+    job = job_config(model_dir)
+    plain = build_actor_engine(job).model
+    job.model.override_config = {"rms_norm_eps": 0.5, "attention_dropout": 0.25}
+    assert FSDP2Config.from_job_config(job).override_config == job.model.override_config
+    model = build_actor_engine(job).model
+    assert (model.config.rms_norm_eps, model.config.attention_dropout) == (0.5, 0.25)
+    assert plain.config.rms_norm_eps != 0.5
+    # ...and the model is built from it: the final norm uses the overridden epsilon.
+    assert model.model.norm.variance_epsilon == 0.5 != plain.model.norm.variance_epsilon
+
+
 def test_build_actor_engine_reads_trajectory_batches_and_follows_the_schedule(model_dir):
     job = job_config(model_dir)
     engine = build_actor_engine(job)

@@ -166,6 +166,7 @@ class CudaIpcBackend(Backend):
     packed into a bucket buffer (which costs a second device copy per byte)."""
 
     default_bucket_bytes = 512 << 20  # see the README's "Bucket size"
+    reach, device_types = "host", ("cuda",)
 
     def __init__(
         self,

@@ -118,6 +118,8 @@ class _NaiveSender(Sender):
 
 
 class NaiveBackend(Backend):
+    reach = "process"
+
     def open_sender(
         self,
         *,

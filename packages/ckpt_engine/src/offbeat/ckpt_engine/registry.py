@@ -58,6 +58,12 @@ class Backend(ABC):
     name: ClassVar[str]
     # Used when the manager is given no bucket size; see the README's "Bucket size".
     default_bucket_bytes: ClassVar[int] = 256 << 20
+    # Where receivers may live relative to the sender: "process" (the same process),
+    # "host" (the same machine) or "cluster" (other machines too, given options that make
+    # the sender reachable). A job that places replicas elsewhere checks this first.
+    reach: ClassVar[str] = "cluster"
+    # torch device types the sender's buffers need; empty: any.
+    device_types: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         if options:

@@ -86,6 +86,7 @@ def _attach(channel: dict[str, Any]) -> list[torch.Tensor]:
 
 
 class ShmBackend(Backend):
+    reach = "host"
     default_bucket_bytes = 8 << 20  # see the README's "Bucket size"
 
     def __init__(self) -> None:

@@ -10,7 +10,25 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["register", "vllm_replica"]
+__all__ = ["engine_kwargs_of", "register", "vllm_replica"]
+
+
+def engine_kwargs_of(job: Any) -> dict[str, Any]:
+    """vLLM's engine arguments for `job`: what the job config owns (the model's dtype, HF
+    config overrides, tokenizer and remote-code switch, the rollout's tensor parallelism),
+    so the replicas see the model exactly as the trainer does, plus `rollout.engine_kwargs`
+    (validation keeps those from setting the owned keys)."""
+    m = job.model
+    kwargs: dict[str, Any] = {
+        "dtype": m.dtype,
+        "tensor_parallel_size": job.rollout.tensor_parallel_size,
+        "trust_remote_code": bool(m.trust_remote_code),
+    }
+    if m.override_config:
+        kwargs["hf_overrides"] = dict(m.override_config)
+    if m.tokenizer_path:
+        kwargs["tokenizer"] = m.tokenizer_path
+    return {**kwargs, **job.rollout.engine_kwargs}
 
 
 def vllm_replica(job: Any, model_path: str, index: int) -> Any:
@@ -19,11 +37,7 @@ def vllm_replica(job: Any, model_path: str, index: int) -> Any:
     from offbeat.rollout_vllm.server import VLLMServerConfig
 
     rt = job.runtime
-    engine_kwargs = {
-        "dtype": job.model.dtype,
-        "tensor_parallel_size": job.rollout.tensor_parallel_size,
-        **job.rollout.engine_kwargs,
-    }
+    engine_kwargs = engine_kwargs_of(job)
     handle = vllm_server_actor(
         VLLMServerConfig(
             model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"

@@ -16,6 +16,9 @@ from offbeat.core.config.schema import (
 )
 from offbeat.core.config.validation import ConfigError, Problem, Problems, check, validate
 
+# Rules on what today's runtime can run (registered on import).
+from offbeat.core.config import support  # noqa: F401  isort: skip
+
 __all__ = [
     "ActorConfig",
     "AlgorithmConfig",

@@ -31,7 +31,9 @@ def load_config(
     """`schema` defaults ← the YAML file ← `overrides` ("key.sub=value"), as a dataclass.
 
     Overrides use Hydra's simple syntax: `a.b=1`, `+a.b=1` / `++a.b=1` (same here: the
-    schema decides which keys exist), values parsed as YAML (`x=[1,2]`, `y=null`).
+    schema decides which keys exist), values parsed as YAML (`x=[1,2]`, `y=null`). As in
+    Hydra, a list replaces a list and a mapping merges into a mapping, so `a.map={}` would
+    change nothing: it is reported instead.
     Pass a subclass of `JobConfig` as `schema` to load a recipe's extended config.
     """
     cfg: DictConfig = OmegaConf.structured(schema)
@@ -43,6 +45,21 @@ def load_config(
         for key, value in _leaves(raw):
             _merge_one(cfg, key, value, problems)
     for key, value in parse_overrides(overrides, problems):
+        if (
+            value == {}
+            and isinstance(current := OmegaConf.select(cfg, key), DictConfig)
+            and current
+        ):
+            # Hydra merges a mapping into a mapping: `{}` would silently change nothing.
+            problems.append(
+                Problem(
+                    key,
+                    value,
+                    f"an empty mapping merges into {OmegaConf.to_container(current)} and "
+                    f"changes nothing; override its keys one by one ({key}.NAME=value)",
+                )
+            )
+            continue
         _merge_one(cfg, key, value, problems)
     if problems:
         raise ConfigError(problems)

@@ -38,7 +38,7 @@ class ResourceConfig:
     device: str = "cpu"  # a name in offbeat.core.registry.DEVICES
     num_nodes: int = 1
     devices_per_node: int = 2
-    trainer_devices: int = 1  # must add up with rollout_devices to the total
+    trainer_devices: int = 1  # must add up with rollout_devices; 1 until the distributed trainer
     rollout_devices: int = 1
 
     @property
@@ -55,7 +55,7 @@ class DataConfig:
     train_batch_size: int = (
         4  # prompts per global step (= parameter_sync_step × ppo_mini_batch_size)
     )
-    val_batch_size: int = 8
+    val_batch_size: int = 64  # validation prompts in flight at once
     shuffle: bool = True
     seed: int = 0
 
@@ -66,7 +66,9 @@ class ModelConfig:
     tokenizer_path: str = ""  # empty: same as `path`
     dtype: str = "float32"
     trust_remote_code: bool = False
-    override_config: dict[str, Any] = field(default_factory=dict)  # HF config overrides
+    # Set on the model's HF config, by the trainer and by the rollout engines alike (vLLM:
+    # hf_overrides), e.g. {attention_dropout: 0.0}; keys must exist in that config.
+    override_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,7 +79,7 @@ class ActorConfig:
     ppo_mini_batch_size: int = 4  # prompts per optimizer step (mini-batch)
     ppo_micro_batch_size_per_device: int = 4  # trajectories per forward/backward
     ppo_epochs: int = 1
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # > 1 needs a model-parallel engine (not fsdp2)
     pipeline_model_parallel_size: int = 1
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -91,7 +93,8 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    """The value model; used only when the advantage estimator needs one (GAE)."""
+    """The value model; used only when the advantage estimator needs one (GAE). No critic
+    engine is built yet: non-default values are rejected (see `support.py`)."""
 
     engine: str = "fsdp2"
     model_path: str = ""  # empty: initialise from model.path
@@ -118,8 +121,8 @@ class RolloutConfig:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # a name in ADV_ESTIMATORS
     norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0  # GAE
-    lam: float = 1.0  # GAE
+    gamma: float = 1.0  # GAE only
+    lam: float = 1.0  # GAE only
     loss_agg_mode: str = "token-mean"  # a name in LOSS_AGG_MODES
     # Old-policy log-probs: "rollout" = the behaviour policy's (bypass mode); "trainer" =
     # recomputed with the trainer's start-of-step weights (decoupled PPO: proximal policy).
@@ -129,7 +132,7 @@ class AlgorithmConfig:
     rollout_is_mode: str = "truncate"  # truncate | mask
     rollout_is_threshold: float = 2.0  # upper bound on the IS ratio
     rollout_is_threshold_lower: float | None = None  # mask mode; None: 1 / threshold
-    use_kl_loss: bool = False
+    use_kl_loss: bool = False  # needs a reference model: not built yet
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"  # a name in KL_ESTIMATORS
     kl_clamp: float = 10.0
@@ -156,13 +159,15 @@ class AsyncConfig:
 class TrainerConfig:
     mode: str = "separate_async"  # sync | separate_async
     total_training_steps: int = 10
-    total_epochs: int = 1
+    # Passes over data.train_files: the run stops after at most
+    # total_epochs × rows // train_batch_size steps. None: total_training_steps decides.
+    total_epochs: int | None = None
     checkpoint_dir: str = "checkpoints"
     save_freq: int = 0  # global steps between checkpoints; 0: only at the end, -1: never
     resume: bool = False
     test_freq: int = 0  # global steps between validations; 0: never
     val_before_train: bool = False
-    project_name: str = "offbeat"
+    project_name: str = "offbeat"  # names the run (with experiment_name) in the logs
     experiment_name: str = "default"
     log_dir: str = "outputs"
     loggers: list[str] = field(default_factory=lambda: ["console"])

@@ -16,7 +16,6 @@ from typing import Any
 
 from offbeat.core.registry import (
     ADV_ESTIMATORS,
-    DEVICES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     REWARD_FUNCTIONS,
@@ -130,7 +129,7 @@ def validate(cfg: Any) -> None:
 @check
 def _resources(cfg: Any, p: Problems) -> None:
     r, tp = cfg.resources, cfg.rollout.tensor_parallel_size
-    p.require_registered("resources.device", r.device, DEVICES)
+    # resources.device (registered, its plugin loads, present here): see support.py.
     ok = [
         p.require_int("resources.num_nodes", r.num_nodes),
         p.require_int("resources.devices_per_node", r.devices_per_node),
@@ -274,7 +273,8 @@ def _model_and_trainer(cfg: Any, p: Problems) -> None:
     t = cfg.trainer
     p.require_choice("trainer.mode", t.mode, TRAINER_MODES)
     p.require_int("trainer.total_training_steps", t.total_training_steps)
-    p.require_int("trainer.total_epochs", t.total_epochs)
+    if t.total_epochs is not None:
+        p.require_int("trainer.total_epochs", t.total_epochs)
     p.require_int("trainer.save_freq", t.save_freq, minimum=-1)
     p.require_int("trainer.test_freq", t.test_freq, minimum=0)
     if not isinstance(t.checkpoint_dir, str) or not t.checkpoint_dir.strip():

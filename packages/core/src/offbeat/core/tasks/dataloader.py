@@ -2,7 +2,8 @@
 
 Knows nothing about tokenizers or rollout: it hands out dataset rows (dicts). Each epoch
 is a fresh permutation drawn from (seed, epoch), so the position (epoch, index) is all
-the state needed to resume exactly where a run stopped.
+the state needed to resume exactly where a run stopped. How many passes a run makes is
+bounded by its step count (`steps_within_epochs`), not by the stream.
 """
 
 from __future__ import annotations
@@ -13,6 +14,25 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+
+__all__ = ["PromptDataLoader", "count_rows", "steps_within_epochs"]
+
+
+def count_rows(paths: Sequence[str | Path]) -> int:
+    """Rows in the parquet files `paths` (read from their footers, not their data)."""
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+
+
+def steps_within_epochs(
+    total_training_steps: int, total_epochs: int | None, num_rows: int, train_batch_size: int
+) -> int:
+    """The steps a run makes: `total_training_steps`, cut to the whole batches that
+    `total_epochs` passes over `num_rows` prompts hold (None: no cut). The loader itself
+    stays endless: refills of evicted or failed prompts and the batches generated ahead
+    may read a little past the last pass."""
+    if total_epochs is None:
+        return total_training_steps
+    return min(total_training_steps, total_epochs * num_rows // train_batch_size)
 
 
 class PromptDataLoader:

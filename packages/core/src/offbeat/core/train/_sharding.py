@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,14 +61,31 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def load_hf_model(path: str, trust_remote_code: bool) -> nn.Module:
-    """The float32 HF causal LM at `path` (a directory or a hub id), on CPU."""
+def hf_config(path: str, trust_remote_code: bool, overrides: Mapping[str, Any] | None = None):
+    """The HF config at `path` with `overrides` set on it (as `PretrainedConfig.update`
+    does, and vLLM's `hf_overrides`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if overrides:
+        config.update(dict(overrides))
+    return config
+
+
+def load_hf_model(
+    path: str, trust_remote_code: bool, overrides: Mapping[str, Any] | None = None
+) -> nn.Module:
+    """The float32 HF causal LM at `path` (a directory or a hub id), on CPU, built from its
+    config with `overrides` applied."""
     if not path:
         raise ValueError("train_engine.model_path is empty: give a HF model directory or id")
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, trust_remote_code=trust_remote_code
+        path,
+        config=hf_config(path, trust_remote_code, overrides),
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
     )
 
 
@@ -92,10 +110,10 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _skeleton(path: str, trust_remote_code: bool) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _skeleton(path: str, trust_remote_code: bool, overrides: Mapping[str, Any] | None) -> nn.Module:
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    config = hf_config(path, trust_remote_code, overrides)
     with _parameters_on_meta():
         return AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, trust_remote_code=trust_remote_code
@@ -129,17 +147,20 @@ def build_sharded_model(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
     init_on_rank0: bool = True,
+    override_config: Mapping[str, Any] | None = None,
 ) -> nn.Module:
-    """Load the HF model at `path` and shard it over `mesh`. With several ranks and
-    `init_on_rank0`, rank 0 alone reads the checkpoint and broadcasts it."""
+    """Load the HF model at `path` (its config with `override_config` applied) and shard it
+    over `mesh`. With several ranks and `init_on_rank0`, rank 0 alone reads the checkpoint
+    and broadcasts it."""
     group = mesh.get_group()
     opts = (reshard_after_forward, gradient_checkpointing)
+    ov = override_config
     if dist.get_world_size(group) == 1 or not init_on_rank0:
-        return shard(load_hf_model(path, trust_remote_code).float(), mesh, mp_policy, *opts)
+        return shard(load_hf_model(path, trust_remote_code, ov).float(), mesh, mp_policy, *opts)
     full_state = {}
     if dist.get_rank(group) == 0:
-        full_state = load_hf_model(path, trust_remote_code).state_dict()
-    model = shard(_skeleton(path, trust_remote_code), mesh, mp_policy, *opts)
+        full_state = load_hf_model(path, trust_remote_code, ov).state_dict()
+    model = shard(_skeleton(path, trust_remote_code, ov), mesh, mp_policy, *opts)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     model.to_empty(device=device)
     with torch.no_grad():

@@ -58,6 +58,9 @@ class FSDP2Config:
     gradient_checkpointing: bool = False
     reshard_after_forward: bool = True
     trust_remote_code: bool = False
+    # Set on the HF config before the model is built (model.override_config of a job; the
+    # rollout engines get the same overrides, so both sides build the same model).
+    override_config: dict[str, Any] = field(default_factory=dict)
     # With several ranks, only rank 0 reads the checkpoint and broadcasts it (the others
     # build on the meta device): one full copy of the model per host instead of per rank.
     init_on_rank0: bool = True
@@ -91,6 +94,7 @@ class FSDP2Config:
             export_dtype=job.model.dtype,
             gradient_checkpointing=a.gradient_checkpointing,
             trust_remote_code=job.model.trust_remote_code,
+            override_config=dict(job.model.override_config),
             optim=OptimConfig(
                 lr=a.lr,
                 weight_decay=a.weight_decay,
@@ -164,6 +168,7 @@ class FSDP2TrainEngine:
                 gradient_checkpointing=config.gradient_checkpointing,
                 trust_remote_code=config.trust_remote_code,
                 init_on_rank0=config.init_on_rank0,
+                override_config=config.override_config,
             )
         else:
             model = _sharding.shard(

@@ -29,6 +29,7 @@ from offbeat.core.config.validation import Problems, check
 from offbeat.core.device import current_device
 from offbeat.core.registry import ROLLOUT_ENGINES, TRAIN_ENGINES
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
+from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.trainer.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,14 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
 
 
 # ---- building blocks ---------------------------------------------------------------------
+def wants_warm_start(cfg: RunConfig) -> bool:
+    """`warm_start.enabled` null (auto): only offbeat's own tiny models; true/false: as said."""
+    ws = cfg.warm_start
+    if ws.steps <= 0 or ws.enabled is False:
+        return False
+    return ws.enabled is True or cfg.model.path.startswith(TINY_PREFIX)
+
+
 def resolve_model(path: str, cache_dir: Path) -> Path:
     """`offbeat-tiny:<size>` builds (or reuses) a tiny model; anything else is a path."""
     if path.startswith(TINY_PREFIX):
@@ -157,7 +166,9 @@ def resolve_data(cfg: RunConfig, out_dir: Path) -> tuple[list[str], list[str]]:
     return [str(tr)], val or [str(va)]
 
 
-def init_ray(rt: RuntimeConfig) -> None:
+def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
+    """Join `rt.ray_address`, or start a local Ray (dashboard off, loopback) that sees
+    `num_gpus` GPUs (None: Ray counts them)."""
     # Under `uv run`, Ray would start every worker through `uv run` again with the
     # working directory uploaded as a package (minutes per worker here); workers of a
     # job share the driver's environment, so use its interpreter directly.
@@ -182,6 +193,7 @@ def init_ray(rt: RuntimeConfig) -> None:
     try:
         ray.init(
             num_cpus=rt.ray_num_cpus,
+            num_gpus=num_gpus,
             include_dashboard=False,
             _node_ip_address=rt.node_ip,
             log_to_driver=True,
@@ -189,6 +201,17 @@ def init_ray(rt: RuntimeConfig) -> None:
         )
     finally:
         services.resolve_ip_for_localhost = original
+
+
+def split_gpus(cfg: RunConfig) -> int | None:
+    """On a CUDA machine with a local Ray: Ray is given the first `rollout_devices` GPUs
+    (the replicas') and this process, the trainer, takes the next one; returns the GPUs
+    Ray may hand out (None: nothing to split). A Ray cluster that is joined places replicas
+    on whatever GPUs it has: start it without the trainer's GPU."""
+    if cfg.resources.device != "cuda" or cfg.runtime.ray_address:
+        return None
+    torch.cuda.set_device(cfg.resources.rollout_devices)
+    return cfg.resources.rollout_devices
 
 
 def pin_trainer(rt: RuntimeConfig) -> None:
@@ -279,11 +302,14 @@ class Prepared:
     train_files: list[str]
     val_files: list[str]
     setup_s: float
+    notes: list[str] = field(default_factory=list)  # what prepare decided, for the log
 
 
 def prepare(cfg: RunConfig) -> Prepared:
-    """Seeds, threads, the synthetic dataset and the (tiny, warm-started) model."""
+    """Seeds, threads, the synthetic dataset, the (tiny, warm-started) model, and the step
+    count `trainer.total_epochs` leaves."""
     from offbeat.core.tasks import read_parquet
+    from offbeat.core.tasks.dataloader import count_rows, steps_within_epochs
     from offbeat.core.trainer.warm_start import warm_start
 
     t0 = time.perf_counter()
@@ -295,14 +321,38 @@ def prepare(cfg: RunConfig) -> Prepared:
     cache_dir = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
     train_files, val_files = resolve_data(cfg, cache_dir / "tasks")
     model_dir = resolve_model(cfg.model.path, cache_dir / "models")
-    if cfg.warm_start.steps > 0:
+    notes = []
+    if wants_warm_start(cfg):
         rows = [r for f in train_files for r in read_parquet(f)]
         model_dir = warm_start(
             model_dir, rows, cfg.warm_start, cache_dir=cache_dir / "warm_start",
-            prompt_key=cfg.data.prompt_key,
+            prompt_key=cfg.data.prompt_key, override_config=cfg.model.override_config,
         )  # fmt: skip
-    job = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_dir)))
-    return Prepared(job, model_dir, train_files, val_files, time.perf_counter() - t0)
+    elif cfg.warm_start.steps > 0 and cfg.warm_start.enabled is None:
+        notes.append("no warm start (offbeat-tiny models only; warm_start.enabled=true)")
+    t = cfg.trainer
+    steps = steps_within_epochs(
+        t.total_training_steps, t.total_epochs, count_rows(train_files), cfg.data.train_batch_size
+    )
+    if steps != t.total_training_steps:
+        notes.append(f"trainer.total_epochs={t.total_epochs} leaves {steps} steps")
+    job = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=str(model_dir)),
+        trainer=dataclasses.replace(t, total_training_steps=steps),
+    )
+    return Prepared(job, model_dir, train_files, val_files, time.perf_counter() - t0, notes)
+
+
+def run_header(p: Prepared, replicas: int, ready_s: float) -> str:
+    """The run's first log line: its name (trainer.project_name/experiment_name) and what
+    `prepare` decided."""
+    t = p.cfg.trainer
+    return (
+        f"offbeat: run {t.project_name}/{t.experiment_name} mode={t.mode} "
+        f"steps={t.total_training_steps} replicas={replicas} model={p.model_dir} "
+        f"setup={p.setup_s:.1f}s replicas_ready={ready_s:.1f}s"
+    ) + "".join(f"; {n}" for n in p.notes)
 
 
 def start_replicas(p: Prepared) -> dict[str, Any]:
@@ -342,7 +392,9 @@ async def run_with_replicas(
     run_dir.mkdir(parents=True, exist_ok=True)
     # The train engine builds while the replicas start.
     engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or str(p.model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(
+        cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
+    )
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
     if version_offset is None:
         version_offset = max(int(s.weight_version) for s in servers.values())
@@ -373,8 +425,7 @@ async def run_with_replicas(
         )
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        wants_val = cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
-        validator = Validator(agent, val_rows) if val_rows and wants_val else None
+        validator = Validator.from_job(cfg, agent, val_rows)
         tracker = MetricsTracker(
             run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
             progress=rt.progress_bar,
@@ -390,10 +441,7 @@ async def run_with_replicas(
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
             version_offset=version_offset,
         )  # fmt: skip
-        tracker.event(
-            f"offbeat: mode={cfg.trainer.mode} replicas={len(servers)} model={p.model_dir} "
-            f"setup={p.setup_s:.1f}s replicas_ready={ready_s:.1f}s"
-        )
+        tracker.event(run_header(p, len(servers), ready_s))
         try:
             summary = await trainer.run()
         finally:
@@ -417,7 +465,7 @@ async def run_with_replicas(
 async def run_job(cfg: RunConfig) -> dict[str, Any]:
     """Run `cfg` (already validated) to the end on fresh replicas; shut them down after."""
     t0 = time.perf_counter()
-    init_ray(cfg.runtime)
+    init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
     servers = start_replicas(p)

@@ -32,6 +32,17 @@ class Validator:
         self.sampling = dict(sampling if sampling is not None else {"temperature": 0.0})
         self.max_concurrency = max_concurrency
 
+    @classmethod
+    def from_job(
+        cls, cfg: Any, agent: SingleTurnAgentLoop, rows: Sequence[Mapping[str, Any]]
+    ) -> Validator | None:
+        """The job's validator (`data.val_batch_size` prompts in flight at once), or None
+        when there are no rows or the job never validates."""
+        t = cfg.trainer
+        if not rows or not (t.test_freq > 0 or t.val_before_train):
+            return None
+        return cls(agent, rows, max_concurrency=cfg.data.val_batch_size)
+
     async def run(self, tag: str = "val") -> dict[str, float]:
         sem = asyncio.Semaphore(self.max_concurrency)
 

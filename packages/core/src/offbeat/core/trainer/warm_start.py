@@ -29,8 +29,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WarmStartConfig:
-    """`steps=0` disables the warm start."""
+    """`steps=0` disables the warm start. `enabled`: None (auto) warm-starts only the tiny
+    models offbeat builds itself (`model.path=offbeat-tiny:<size>`: random weights that
+    do not know the answer format yet); true also warm-starts any other model (on the
+    dataset's `ground_truth`); false never does."""
 
+    enabled: bool | None = None
     steps: int = 0
     batch_size: int = 32
     lr: float = 3e-3
@@ -45,7 +49,8 @@ def _key(model_dir: Path, rows_digest: str, cfg: WarmStartConfig) -> str:
     for f in sorted(model_dir.glob("*.safetensors")):
         h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
     h.update(rows_digest.encode())
-    h.update(json.dumps(asdict(cfg), sort_keys=True).encode())
+    what = {k: v for k, v in asdict(cfg).items() if k != "enabled"}  # whether, not what
+    h.update(json.dumps(what, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
@@ -56,21 +61,28 @@ def warm_start(
     *,
     cache_dir: str | Path,
     prompt_key: str = "prompt",
+    override_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Fine-tune `model_dir` on `rows` for `cfg.steps` steps; return the new model's
+    """Fine-tune `model_dir` (its HF config with `override_config` applied, as the trainer
+    and the engines will apply it) on `rows` for `cfg.steps` steps; return the new model's
     directory (or `model_dir` itself when `cfg.steps == 0`)."""
     model_dir = Path(model_dir)
     if cfg.steps <= 0:
         return model_dir
+    overrides = dict(override_config or {})
     digest = hashlib.sha256(json.dumps(list(rows)[:4096], sort_keys=True, default=str).encode())
+    if overrides:
+        digest.update(json.dumps(overrides, sort_keys=True, default=str).encode())
     out = Path(cache_dir) / f"warm-{_key(model_dir, digest.hexdigest(), cfg)}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.update(overrides)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
     end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     examples = []

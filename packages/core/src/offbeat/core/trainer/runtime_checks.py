@@ -1,0 +1,197 @@
+"""Validation rules for what `offbeat.core.trainer.job` does with a config: where weights
+can travel, which devices the replicas get, what reaches the rollout engine, how long the
+data lasts and whether a warm start applies.
+
+Registered with `@check` on import (job.py imports this module), they run for every config
+that has a `runtime` section (a `RunConfig`); plain `JobConfig`s skip them. Knows the job's
+config and the checkpoint-engine and model registries; starts nothing (reading a model's
+HF config and a parquet footer is the most it does).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from offbeat.core.config.validation import Problems, check
+
+__all__ = ["OWNED_ENGINE_KWARGS"]
+
+# Engine arguments that the job derives from its own keys (so the trainer and the
+# replicas agree); `rollout.engine_kwargs` must not set them a second time.
+OWNED_ENGINE_KWARGS = {
+    "model": "model.path",
+    "dtype": "model.dtype (the trainer exports weights in it)",
+    "hf_overrides": "model.override_config (applied by the trainer too)",
+    "tokenizer": "model.tokenizer_path",
+    "trust_remote_code": "model.trust_remote_code",
+    "tensor_parallel_size": "rollout.tensor_parallel_size (resources count it)",
+}
+
+
+@check
+def _weight_sync_reaches_the_replicas(cfg: Any, p: Problems) -> None:
+    rt = getattr(cfg, "runtime", None)
+    if rt is None:
+        return
+    from offbeat.ckpt_engine import backends, get_backend
+
+    name, r = rt.ckpt_backend, cfg.resources
+    if name not in backends():
+        return  # reported by the job's own rule, with the registered names
+    backend = get_backend(name)
+    if backend.reach == "process":
+        p.add(
+            "runtime.ckpt_backend",
+            name,
+            f"{name!r} needs the receivers in the trainer's process, but every replica is a "
+            f"Ray actor of its own; use one of "
+            f"{sorted(b for b in backends() if get_backend(b).reach != 'process')}",
+        )
+    if backend.device_types and r.device not in backend.device_types:
+        p.add(
+            "runtime.ckpt_backend",
+            name,
+            f"{name!r} needs resources.device in {list(backend.device_types)}, got "
+            f"{r.device!r}; use shm",
+        )
+    if type(r.num_nodes) is int and r.num_nodes > 1:
+        if backend.reach != "cluster":
+            why = f"runtime.ckpt_backend={name!r} moves weights within one machine only"
+        else:
+            why = (
+                f"the job starts runtime.ckpt_backend={name!r} without options, so it does not "
+                f"cross machines (broadcast binds 127.0.0.1, disk writes a local temporary "
+                f"directory)"
+            )
+        p.add(
+            "resources.num_nodes", r.num_nodes, f"{why}; multi-node runs are not built yet: set 1"
+        )
+
+
+@check
+def _replicas_get_the_configured_device(cfg: Any, p: Problems) -> None:
+    rt = getattr(cfg, "runtime", None)
+    if rt is None:
+        return
+    device, gpus, tp = cfg.resources.device, rt.rollout_num_gpus, cfg.rollout.tensor_parallel_size
+    if device == "cuda" and gpus != tp:
+        p.add(
+            "runtime.rollout_num_gpus",
+            gpus,
+            f"with resources.device='cuda' each replica is given its "
+            f"rollout.tensor_parallel_size={tp} GPUs: set {tp}",
+        )
+    if device == "cuda" and not rt.ray_address and type(cfg.resources.devices_per_node) is int:
+        import torch
+
+        need = cfg.resources.devices_per_node  # one node: the trainer's GPU + the replicas'
+        if torch.cuda.is_available() and torch.cuda.device_count() < need:
+            p.add(
+                "resources.devices_per_node",
+                need,
+                f"this machine has {torch.cuda.device_count()} visible CUDA devices (a local "
+                f"Ray gives the replicas the first resources.rollout_devices, the trainer "
+                f"the next one)",
+            )
+    elif device == "cpu" and gpus:
+        p.add(
+            "runtime.rollout_num_gpus",
+            gpus,
+            "with resources.device='cpu' the replicas run on CPU: set 0 (or resources.device=cuda)",
+        )
+
+
+@check
+def _engine_kwargs_do_not_shadow_the_job(cfg: Any, p: Problems) -> None:
+    if getattr(cfg, "runtime", None) is None:
+        return
+    for key, owner in OWNED_ENGINE_KWARGS.items():
+        if key in cfg.rollout.engine_kwargs:
+            p.add(
+                f"rollout.engine_kwargs.{key}",
+                cfg.rollout.engine_kwargs[key],
+                f"set by the job from {owner}; set that instead",
+            )
+
+
+def _hf_config(cfg: Any) -> Any | None:
+    """The model's HF config when it can be read without building anything, else None."""
+    from offbeat.core.trainer.job import TINY_PREFIX
+
+    path = cfg.model.path
+    if not isinstance(path, str) or cfg.model.trust_remote_code:
+        return None
+    from transformers import AutoConfig
+
+    if path.startswith(TINY_PREFIX):
+        return AutoConfig.for_model("qwen2")  # what offbeat.core.models builds
+    if (Path(path) / "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    return None
+
+
+@check
+def _model_overrides_exist(cfg: Any, p: Problems) -> None:
+    overrides = cfg.model.override_config
+    if getattr(cfg, "runtime", None) is None or not overrides:
+        return
+    config = _hf_config(cfg)
+    if config is None:
+        return
+    unknown = sorted(k for k in overrides if not hasattr(config, k))
+    if unknown:
+        p.add(
+            "model.override_config",
+            dict(overrides),
+            f"keys {unknown} are not in the model's HF config ({type(config).__name__}); "
+            f"e.g. {sorted(config.to_dict())[:12]}",
+        )
+
+
+@check
+def _data_lasts_one_step(cfg: Any, p: Problems) -> None:
+    t, d = cfg.trainer, cfg.data
+    if getattr(cfg, "runtime", None) is None or t.total_epochs is None:
+        return
+    if not all(type(x) is int and x > 0 for x in (t.total_epochs, d.train_batch_size)):
+        return  # reported on their own
+    files = list(d.train_files)
+    if files and not all(Path(f).is_file() for f in files):
+        return  # reported on their own
+    from offbeat.core.tasks.dataloader import count_rows, steps_within_epochs
+
+    rows = count_rows(files) if files else cfg.task.n_train
+    if steps_within_epochs(t.total_training_steps, t.total_epochs, rows, d.train_batch_size) < 1:
+        p.add(
+            "trainer.total_epochs",
+            t.total_epochs,
+            f"{t.total_epochs} pass(es) over {rows} training prompts hold no whole batch of "
+            f"data.train_batch_size={d.train_batch_size}: raise it, or set null (steps alone)",
+        )
+
+
+@check
+def _warm_start_has_work(cfg: Any, p: Problems) -> None:
+    ws = getattr(cfg, "warm_start", None)
+    if ws is not None and ws.enabled is True and not (type(ws.steps) is int and ws.steps > 0):
+        p.add("warm_start.steps", ws.steps, "warm_start.enabled=true needs steps > 0")
+
+
+@check
+def _local_ray_settings_need_a_local_ray(cfg: Any, p: Problems) -> None:
+    rt = getattr(cfg, "runtime", None)
+    if rt is None or not rt.ray_address:
+        return
+    from offbeat.core.trainer.job import RuntimeConfig
+
+    defaults = RuntimeConfig()
+    for key in ("ray_num_cpus", "node_ip"):
+        value = getattr(rt, key)
+        if value != getattr(defaults, key):
+            p.add(
+                f"runtime.{key}",
+                value,
+                f"only read when the job starts a local Ray; runtime.ray_address="
+                f"{rt.ray_address!r} joins one: leave it at {getattr(defaults, key)!r}",
+            )
