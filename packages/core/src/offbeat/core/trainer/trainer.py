@@ -260,9 +260,7 @@ class Trainer:
         }
 
     def _progress(self) -> tuple[int, int]:
-        """Groups that can be trained: finished ones, and trained ones (a resumed run
-        trains groups it finished before the checkpoint). Failed and evicted groups, and
-        tokens of groups that then fail, are not progress."""
+        """Trained and finished groups; failed or evicted ones are not progress."""
         return (self.buffer.core.counts()["trained"], self.driver.groups_finished)
 
     async def _wait_for_batch(self, step: int) -> tuple[list[PromptGroup], list[PromptGroup]]:
@@ -292,12 +290,8 @@ class Trainer:
 
     def _stall_message(self, step: int) -> str:
         c = self.buffer.core.counts()
-        failures = self.driver.failures
-        failed = (
-            f"; {failures.count} groups failed meanwhile: {failures.describe()}"
-            if failures.count
-            else ""
-        )
+        f = self.driver.failures
+        failed = f"; {f.count} groups failed meanwhile: {f.describe()}" if f.count else ""
         return (
             f"step {step}: the rollout finished no prompt group for "
             f"{self.s.stall_timeout_s:.0f}s (runtime.stall_timeout_s) while the trainer "
