@@ -32,6 +32,23 @@ def test_invalid_config_names_the_key(override, key):
     assert key in {p.key for p in info.value.problems}, str(info.value)
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "runtime.max_failed_batches=0",
+        "runtime.max_failed_batches=1.5",
+        "runtime.stall_timeout_s=-1",
+    ],
+)
+def test_rollout_failure_limits_are_checked(override):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", [override])
+    problems = {p.key: p for p in info.value.problems}
+    assert key in problems, str(info.value)
+    assert float(problems[key].value) == float(value)
+
+
 def test_unknown_backend_lists_registered_ones():
     with pytest.raises(ConfigError, match="registered: fsdp2"):
         load_recipe_config("separate_async", ["actor.engine=megatronx"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from ckpt_engine_fakes import BUCKET
+from ckpt_engine_fakes import BUCKET, RecordingTarget
 
 from offbeat.ckpt_engine import PHASES, CheckpointEngineManager
 
@@ -98,3 +98,29 @@ async def test_broadcast_several_senders(make_target):
         assert set(r.sink.weights) == {"a", "b", "c", "d"}
         for name, t in {**shard0, **shard1}.items():
             assert torch.equal(r.sink.weights[name], t)
+
+
+class ProxyTarget(RecordingTarget):
+    """A remote replica's proxy: `weight_version` is what it last saw, None before that
+    (reading it never asks the replica)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.seen: int | None = None
+
+    @property
+    def weight_version(self) -> int | None:
+        return self.seen
+
+    async def update_weights(self, spec):
+        self.seen = await super().update_weights(spec)
+        return self.seen
+
+
+async def test_a_target_that_knows_no_version_yet_is_synced(model, calls):
+    fresh, ahead = ProxyTarget("fresh", calls), ProxyTarget("ahead", calls, version=5)
+    mgr = CheckpointEngineManager("shm", bucket_bytes=BUCKET, phase_timeout_s=10)
+    res = await mgr.sync(model.items(), 3, {"fresh": fresh, "ahead": ahead})
+    assert res.succeeded == ["fresh"] and fresh.weight_version == 3
+    # Not caught before the transfer (its version was unknown): the receiver refuses it.
+    assert "StaleVersionError" in res.failed["ahead"] and ahead.weight_version is None

@@ -1,239 +1,19 @@
-"""The training loop with fakes: a fake rollout server (RolloutServer + SyncTarget that
-really receives weights through the ckpt engine's `naive` backend), a fake train engine,
-the real buffer, agent loop, PartialRolloutClient, AsyncLoadBalancer and
-CheckpointEngineManager. Checks versions, staleness bounds, eviction counts, accounting,
-resume and replica failure."""
+"""The training loop with fakes (see `trainer_fakes`): versions, staleness bounds,
+evictions and their refills, old-policy log-probs, accounting, resume and replica failure.
+Failing rollouts: test_trainer_failures.py; the event loop: test_event_loop.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import zlib
-from pathlib import Path
 
 import pytest
 import torch
+from trainer_fakes import FakeTokenizer, Harness, check_accounting, make_settings
 
-from offbeat.balancer.aio import AsyncLoadBalancer
-from offbeat.ckpt_engine import CheckpointEngineManager, ReceiveSpec, receive
-from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
 from offbeat.core.rewards import RewardRegistry, register_reward
-from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig, TokenOutput
+from offbeat.core.rollout import TokenOutput
 from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet
-from offbeat.core.trainer import (
-    CheckpointManager,
-    MetricsTracker,
-    ReplicaPool,
-    RolloutDriver,
-    SingleTurnAgentLoop,
-    Trainer,
-    TrainerSettings,
-    Validator,
-)
-
-EOS = 256
-
-
-class FakeTokenizer:
-    """Bytes are tokens; a fixed chat format; ids >= 256 are special."""
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode())
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
-
-
-class FakeServer:
-    """Answers with the reversed word of the prompt ("reverse: abc") plus filler, one
-    token per tick; aborts return what was produced; weights arrive through `receive`."""
-
-    def __init__(self, server_id: str, tick_s: float = 0.0005) -> None:
-        self.server_id = server_id
-        self._version = 0
-        self.tick_s = tick_s
-        self._running = asyncio.Event()
-        self._running.set()
-        self._abort = 0
-        self.dead = False
-        self.weights: dict[str, torch.Tensor] = {}
-        self.calls = 0
-        self.aborted_calls = 0
-
-    @property
-    def weight_version(self) -> int:
-        if self.dead:
-            raise ConnectionError(f"{self.server_id} is dead")
-        return self._version
-
-    async def generate(self, request_id, prompt_ids, sampling_params):
-        if self.dead:
-            raise ConnectionError(f"{self.server_id} is dead")
-        await self._running.wait()
-        self.calls += 1
-        epoch = self._abort
-        budget = sampling_params["max_tokens"]
-        text = bytes(t for t in prompt_ids if t < 256).decode()
-        word = text.split(": ")[-1].split("\n")[0] if ": " in text else "x"
-        # long-tailed lengths, deterministic per request
-        extra = zlib.crc32(request_id.encode()) % 7
-        answer = list(word[::-1].encode()) + [ord(".")] * extra + [EOS]
-        done = sum(1 for t in prompt_ids if t >= 300)  # tokens already produced (marked)
-        out, lps = [], []
-        version = self._version
-        for tok in answer[done:]:
-            if len(out) >= budget:
-                return TokenOutput(out, lps, "length", version)
-            await asyncio.sleep(self.tick_s)
-            if self.dead:
-                raise ConnectionError(f"{self.server_id} died mid-request")
-            if self._abort != epoch:
-                return TokenOutput(out, lps, "aborted", version)
-            out.append(tok)
-            lps.append(-0.1)
-        return TokenOutput(out, lps, "stop", version)
-
-    async def abort_all(self):
-        self._running.clear()
-        self._abort += 1
-        self.aborted_calls += 1
-
-    async def resume(self):
-        self._running.set()
-
-    async def release_kv_cache(self):
-        return None  # nothing to release or restore in a fake
-
-    async def resume_kv_cache(self):
-        return None  # nothing to release or restore in a fake
-
-    async def sleep(self, level=1):
-        return None  # nothing to release or restore in a fake
-
-    async def wake_up(self, tags=None):
-        return None  # nothing to release or restore in a fake
-
-    async def update_weights(self, spec: ReceiveSpec) -> int:
-        if self.dead:
-            raise ConnectionError(f"{self.server_id} is dead")
-
-        def load(pairs):
-            for name, t in pairs:
-                self.weights[name] = t.clone()
-
-        self._version = await asyncio.to_thread(receive, spec, load, self._version)
-        return self._version
-
-
-class FakeEngine:
-    """A TrainEngine with one parameter that moves by the mean advantage each update."""
-
-    def __init__(self) -> None:
-        self.w = torch.zeros(4)
-        self.updates = 0
-        self.log_prob_calls: list[int] = []  # update count at each compute_log_probs
-        self.batches: list[dict] = []
-
-    lr = 1e-3
-    dp_rank = 0
-    dp_size = 1
-
-    @property
-    def global_update_count(self) -> int:
-        return self.updates
-
-    def compute_log_probs(self, batch, temperature=1.0):
-        self.log_prob_calls.append(self.updates)
-        return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-
-    def update(self, mini_batch):
-        self.updates += 1
-        self.batches.append(mini_batch)
-        self.w += 1.0
-        return {"actor/loss": float(mini_batch["advantages"].mean()), "actor/lr": self.lr}
-
-    def export_weights(self):
-        yield "model.w", self.w.clone()
-
-    def save(self, path):
-        Path(path).mkdir(parents=True)
-        torch.save({"w": self.w, "updates": self.updates}, Path(path) / "engine.pt")
-
-    def load(self, path):
-        state = torch.load(Path(path) / "engine.pt")
-        self.w, self.updates = state["w"], state["updates"]
-
-
-def make_settings(**kw) -> TrainerSettings:
-    base = dict(
-        mode="separate_async", total_training_steps=3, train_batch_size=2,
-        ppo_mini_batch_size=1, parameter_sync_step=2, n=2, save_freq=-1,
-    )  # fmt: skip
-    base.update(kw)
-    return TrainerSettings(**base)
-
-
-class Harness:
-    def __init__(self, tmp: Path, *, servers=1, threshold=2, strategy="drop", warmup=1,
-                 max_tokens=16, engine=None, rows=None, tick_s=0.0005, **settings):  # fmt: skip
-        self.tmp = tmp
-        self.settings = make_settings(**settings)
-        path = tmp / "train.parquet"
-        if not path.exists():
-            write_parquet(rows or make_rows("reverse", 64, seed=0), path)
-        self.loader = PromptDataLoader(path, seed=0)
-        self.servers = {f"s{i}": FakeServer(f"s{i}", tick_s) for i in range(servers)}
-        self.balancer = AsyncLoadBalancer(dict(self.servers))
-        self.client = PartialRolloutClient(
-            self.balancer, PartialRolloutConfig(max_tokens=max_tokens)
-        )
-        self.manager = CheckpointEngineManager("naive", phase_timeout_s=10)
-        depth_warmup = 0 if self.settings.mode == "sync" else warmup
-        self.buffer = AsyncReplayBuffer(
-            BufferConfig(self.settings.train_batch_size, threshold, strategy, depth_warmup)
-        )
-        self.pool = ReplicaPool(self.servers, self.balancer, self.manager, health_timeout_s=2)
-        self.agent = SingleTurnAgentLoop(
-            self.client, FakeTokenizer(), RewardRegistry(), {"max_tokens": max_tokens},
-            on_engine_error=self.pool.on_engine_error,
-        )  # fmt: skip
-        self.driver = RolloutDriver(
-            self.buffer, self.loader, self.agent, n=self.settings.n, max_concurrent_groups=4
-        )
-        self.pool.on_pause = self.driver.clock.pause
-        self.engine = engine or FakeEngine()
-        self.tracker = MetricsTracker(tmp / "logs", ("jsonl",), progress=False)
-        self.checkpoints = CheckpointManager(tmp / "ckpt")
-        self.trainer = Trainer(
-            self.settings, engine=self.engine, buffer=self.buffer, driver=self.driver,
-            pool=self.pool, tracker=self.tracker, checkpoints=self.checkpoints,
-            validator=Validator(self.agent, make_rows("reverse", 4, seed=99)),
-        )  # fmt: skip
-
-    async def run(self):
-        try:
-            return await asyncio.wait_for(self.trainer.run(), 60)
-        finally:
-            self.tracker.close()
-
-    def rows(self):
-        lines = (self.tmp / "logs" / "metrics.jsonl").read_text().splitlines()
-        return [json.loads(x) for x in lines]
-
-
-def check_accounting(h: Harness):
-    c = h.buffer.core.counts()
-    trained, evicted = h.trainer.trained_uids, h.trainer.evicted_uids
-    assert len(trained) == len(set(trained)), "a group was trained twice"
-    assert c["trained"] == len(trained) and c["evicted"] == len(evicted)
-    live = set(h.buffer.core.live_uids())
-    ledger = h.buffer.core.ledger()
-    assert set(ledger) | live == {f"g{i}" for i in range(c["submitted"])}
-    h.buffer.core.check_accounting()
+from offbeat.core.trainer import SingleTurnAgentLoop, Trainer
 
 
 async def test_separate_async_three_steps_versions_spans_evictions(tmp_path):
@@ -251,6 +31,9 @@ async def test_separate_async_three_steps_versions_spans_evictions(tmp_path):
     # 2 updates (parameter_sync_step) per step, each on ppo_mini_batch_size*n rows
     assert h.engine.updates == 6
     assert all(b["input_ids"].shape[0] == 2 for b in h.engine.batches)
+    # bypass: the old policy is the behaviour policy, nothing is recomputed
+    assert h.engine.recomputed == []
+    assert all(torch.equal(b["old_log_probs"], b["rollout_log_probs"]) for b in h.engine.batches)
     check_accounting(h)
     assert any("val/reward" in r for r in h.rows())
     assert not h.checkpoints.complete()
@@ -266,11 +49,16 @@ async def test_wait_threshold_one_is_on_policy(tmp_path):
 
 
 async def test_sync_mode_is_on_policy_and_never_interrupts(tmp_path):
-    h = Harness(tmp_path, mode="sync")
+    h = Harness(tmp_path, mode="sync", servers=2)
     await h.run()
-    train_rows = [r for r in h.rows() if "reward/mean" in r]
+    train_rows = h.train_rows()
+    assert len(train_rows) == 3
     assert all(r["off_policy/trajectory_spans_max"] == 1 for r in train_rows)
     assert all(r["off_policy/trajectory_staleness_max"] == 0 for r in train_rows)
+    for server in h.servers.values():
+        # every sync paused the replica, and no request was in flight to be interrupted
+        assert server.aborted_calls == 3
+        assert server.interrupted == 0
 
 
 async def test_decoupled_ppo_uses_start_of_step_weights(tmp_path):
@@ -278,19 +66,37 @@ async def test_decoupled_ppo_uses_start_of_step_weights(tmp_path):
     await h.run()
     # one proximal forward per step, before that step's 2 updates
     assert h.engine.log_prob_calls == [0, 2, 4]
+    # each update trained against the recomputed log-probs of its own rows, not the rollout's
+    rows = h.settings.ppo_mini_batch_size * h.settings.n
+    assert len(h.engine.batches) == 6
+    for u, mb in enumerate(h.engine.batches):
+        step, k = divmod(u, h.settings.parameter_sync_step)
+        recomputed = h.engine.recomputed[step][k * rows : (k + 1) * rows]
+        assert torch.equal(mb["old_log_probs"], recomputed)
+        assert not torch.equal(mb["old_log_probs"], mb["rollout_log_probs"])
 
 
-def test_drop_mode_evictions_are_counted_and_refilled(tmp_path):
-    # a very slow straggler pattern: long answers with a small budget still finish; use
-    # threshold 1 with no warm-up so stale groups are only possible via slow finishing.
-    async def main():
-        h = Harness(tmp_path, threshold=2, strategy="drop", warmup=1, total_training_steps=5)
-        await h.run()
-        rows = [r for r in h.rows() if "reward/mean" in r]
-        assert rows[-1]["buffer/evicted_total"] == h.buffer.core.counts()["evicted"]
-        check_accounting(h)
-
-    asyncio.run(main())
+async def test_drop_mode_evictions_are_counted_and_refilled(tmp_path):
+    # g0 (submitted at step 1) is a straggler: it produces nothing until step 3, so it
+    # finishes at span >= 3 > max_off_policy_threshold=2 and must be evicted, not trained.
+    h = Harness(tmp_path, threshold=2, strategy="drop", warmup=1, total_training_steps=5)
+    for server in h.servers.values():
+        server.hold = lambda request_id: request_id.startswith("g0-") and h.trainer.step < 3
+    await h.run()
+    assert "g0" in h.trainer.evicted_uids and "g0" not in h.trainer.trained_uids
+    assert h.servers["s0"].interrupted >= 2  # the held g0 requests, by the syncs of steps 1, 2
+    assert h.buffer.core.ledger()["g0"] == "evicted"
+    rows = h.train_rows()
+    evicted_at = {int(r["step"]): int(r["buffer/evicted"]) for r in rows}
+    assert sum(evicted_at.values()) == len(h.trainer.evicted_uids) >= 1
+    assert rows[-1]["buffer/evicted_total"] == h.buffer.core.counts()["evicted"]
+    # Refills: step 1 admits the pipeline (2 batches of 2); each later step admits the 2
+    # slots its predecessor trained plus exactly one per group evicted at that step.
+    gps = h.settings.train_batch_size
+    expected = {1: 2 * gps} | {s: gps + evicted_at[s] for s in range(2, 6)}
+    assert dict(h.buffer.submitted_at) == expected
+    assert h.buffer.core.counts()["failed"] == 0
+    check_accounting(h)
 
 
 async def test_reward_errors_fail_the_group_not_the_run(tmp_path):
@@ -367,7 +173,7 @@ async def test_a_hung_rollout_fails_the_run_instead_of_hanging(tmp_path):
         await asyncio.Event().wait()
 
     h.servers["s0"].generate = never
-    with pytest.raises(RuntimeError, match=r"finished nothing .*stall_timeout_s"):
+    with pytest.raises(RuntimeError, match=r"finished no prompt group .*runtime\.stall_timeout_s"):
         await asyncio.wait_for(h.trainer.run(), 30)
 
 

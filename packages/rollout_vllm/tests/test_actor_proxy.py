@@ -76,3 +76,20 @@ async def test_proxy_forwards_every_call_and_tracks_the_version():
     ]
     assert actor.calls[1][1] == ("r", [5], {"max_tokens": 2})
     assert actor.calls[7][1] == (2,) and actor.calls[8][1] == (["weights"],)
+
+
+async def test_weight_version_never_asks_the_actor(monkeypatch):
+    import ray
+
+    def no_blocking_get(*args, **kwargs):
+        raise AssertionError("ray.get blocks the event loop")
+
+    monkeypatch.setattr(ray, "get", no_blocking_get)
+    actor = FakeActor()
+    unknown = RemoteRolloutServer(actor)
+    assert unknown.weight_version is None  # not known yet, and not asked for
+    started = RemoteRolloutServer(actor, weight_version=0)
+    assert started.weight_version == 0
+    assert actor.calls == []
+    assert await unknown.refresh() == 3 and unknown.weight_version == 3
+    assert [name for name, _ in actor.calls] == ["get_weight_version"]

@@ -40,10 +40,14 @@ class ReceiveSpec:
 @runtime_checkable
 class SyncTarget(Protocol):
     """One replica as the manager sees it. All methods are async; implementations that wrap
-    a Ray actor await its ObjectRefs."""
+    a Ray actor await its ObjectRefs.
+
+    `weight_version` is read without awaiting, so it must not block: a proxy of a remote
+    replica returns the last version it saw, or None when it knows none yet (the manager
+    then skips its stale-version check and lets `update_weights` refuse an older one)."""
 
     @property
-    def weight_version(self) -> int: ...
+    def weight_version(self) -> int | None: ...
 
     async def abort_all(self) -> None: ...
 

@@ -4,7 +4,8 @@
 engine and its worker processes live in the actor's process tree). `RemoteRolloutServer`
 turns the actor handle back into the `RolloutServer` / `SyncTarget` protocols (async
 methods awaiting ObjectRefs, `weight_version` as a property), which is what the
-CheckpointEngineManager expects; the PartialRolloutClient takes either. Knows nothing about
+CheckpointEngineManager expects; the PartialRolloutClient takes either. Every call to the
+actor is awaited: nothing here blocks the event loop (no `ray.get`). Knows nothing about
 vLLM itself.
 """
 
@@ -42,16 +43,14 @@ class RemoteRolloutServer:
         self._weight_version = weight_version
 
     @property
-    def weight_version(self) -> int:
-        """The last version the actor reported (asked once, blocking, on first use; then
-        kept current by `generate`, `update_weights` and `refresh()`)."""
-        if self._weight_version is None:
-            import ray
-
-            self._weight_version = ray.get(self.handle.get_weight_version.remote())
+    def weight_version(self) -> int | None:
+        """The last version the actor reported, or the one it was started with; None when
+        neither is known yet (`await refresh()`). Never asks the actor: reading it does
+        not block. `generate`, `update_weights` and `refresh()` keep it current."""
         return self._weight_version
 
     async def refresh(self) -> int:
+        """Ask the actor for its version (awaited) and keep it."""
         self._weight_version = await self.handle.get_weight_version.remote()
         return self._weight_version
 

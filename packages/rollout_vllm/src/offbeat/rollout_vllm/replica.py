@@ -38,15 +38,17 @@ def vllm_replica(job: Any, model_path: str, index: int) -> Any:
 
     rt = job.runtime
     engine_kwargs = engine_kwargs_of(job)
+    config = VLLMServerConfig(
+        model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"
+    )
     handle = vllm_server_actor(
-        VLLMServerConfig(
-            model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"
-        ),
+        config,
         num_cpus=rt.rollout_num_cpus,
         num_gpus=rt.rollout_num_gpus,
         runtime_env={"env_vars": dict(rt.rollout_env)},
     )
-    return RemoteRolloutServer(handle)
+    # The proxy knows the version the replica starts with: reading it never asks the actor.
+    return RemoteRolloutServer(handle, weight_version=config.weight_version)
 
 
 def register() -> None:

@@ -94,8 +94,13 @@ class PartialRolloutClient:
 
         Never mutates `sampling_params`; never asks a server for more than the remaining
         budget (nor for a budget <= 0); `logprobs` and `routed_experts` stay aligned with
-        `token_ids`; `min_weight_version` comes from the first attempt and
-        `max_weight_version` / `weight_version` from the last; `num_preempted` is summed.
+        `token_ids`; `num_preempted` is summed; `weight_version` is the last attempt's.
+
+        `min_weight_version` / `max_weight_version` bound the versions that produced the
+        kept tokens: the min of the first attempt that kept a token and the max of the
+        last one that did. An attempt aborted before its first token (queued, or paused at
+        the gate, during a sync) produced nothing and bounds nothing. A response with no
+        token at all takes both from the last attempt, the weights that ended it.
         """
         base = dict(sampling_params or {})
         budget = _budget(base, self.config.max_tokens)
@@ -108,6 +113,9 @@ class PartialRolloutClient:
         servers: list[str] = []
         first: TokenOutput | None = None
         last: TokenOutput | None = None
+        # The first and the last attempt that kept at least one token (version bounds).
+        first_kept: TokenOutput | None = None
+        last_kept: TokenOutput | None = None
         stop = "length"
         while True:
             remaining = budget - len(tokens)
@@ -141,6 +149,9 @@ class PartialRolloutClient:
             last = out
             # A server that overshoots the budget is cut back to it.
             n_new = min(len(out.token_ids), remaining)
+            if n_new > 0:
+                first_kept = first_kept or out
+                last_kept = out
             tokens.extend(out.token_ids[:n_new])
             logprobs.extend(out.logprobs[:n_new])
             routed = _extend_routed(routed, out, n_new, first_attempt=out is first)
@@ -154,8 +165,8 @@ class PartialRolloutClient:
             logprobs=logprobs,
             stop_reason=stop,
             weight_version=last.weight_version,
-            min_weight_version=first.min_weight_version,
-            max_weight_version=last.max_weight_version,
+            min_weight_version=(first_kept or last).min_weight_version,
+            max_weight_version=(last_kept or last).max_weight_version,
             num_preempted=num_preempted,
             routed_experts=routed,
             extra={"num_attempts": len(servers), "server_ids": servers},

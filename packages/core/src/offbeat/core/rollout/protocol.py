@@ -57,11 +57,13 @@ class RolloutServer(Protocol):
     `abort_all()` makes every in-flight `generate` return `stop_reason="aborted"` with the
     tokens produced so far, and keeps the server paused (new `generate` calls wait) until
     `resume()`. The weight-sync side (the target protocol of offbeat-ckpt-engine) is on the
-    same object: see `offbeat.ckpt_engine.SyncTarget`.
+    same object: see `offbeat.ckpt_engine.SyncTarget`. `weight_version` must not block: a
+    proxy of a remote replica returns the last version it saw (None: none seen yet) and
+    offers `async refresh() -> int` to ask.
     """
 
     @property
-    def weight_version(self) -> int: ...
+    def weight_version(self) -> int | None: ...
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]

@@ -4,7 +4,7 @@ loop, checkpoints and metrics."""
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, encode_prompt
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from offbeat.core.trainer.replicas import NoReplicasLeft, ReplicaPool
-from offbeat.core.trainer.rollout import BusyClock, RolloutDriver
+from offbeat.core.trainer.rollout import BusyClock, RolloutDriver, RolloutFailing
 from offbeat.core.trainer.tracking import LOGGERS, MetricsTracker
 from offbeat.core.trainer.trainer import MODES, Trainer, TrainerSettings, build_train_batch
 from offbeat.core.trainer.validation import Validator
@@ -21,6 +21,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     "NoReplicasLeft",
     "ReplicaPool",
     "RolloutDriver",
+    "RolloutFailing",
     "SingleTurnAgentLoop",
     "Validator",
     "encode_prompt",

@@ -4,14 +4,19 @@ Knows nothing about engines, balancers or weight syncs: it calls any client with
 `generate(request_id, prompt_ids, sampling_params) -> TokenOutput` (the
 PartialRolloutClient, which hides interruptions) and a `RewardRegistry`. It never lets a
 reward or engine error escape as anything but `GroupFailed`, which the rollout driver
-turns into a failed (evicted, counted, refilled) group.
+turns into a failed (evicted, counted, refilled) group. Its CPU work (chat template and
+tokenisation of the prompt, detokenisation and scoring of a group's responses) runs in a
+small thread pool of its own, never on the event loop: a slow scorer delays its group,
+not the rollout or the trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from offbeat.core.data import Trajectory
@@ -38,6 +43,7 @@ class SingleTurnAgentLoop:
     a `sampling` dict of per-prompt overrides. `on_engine_error(exc)` is awaited when a
     generate call raises (e.g. a replica died): it may heal the pool (remove the dead
     replica) and return True to retry the request, up to `max_retries` times.
+    `cpu_threads`: the threads that template, detokenise and score (off the event loop).
     """
 
     def __init__(
@@ -51,7 +57,10 @@ class SingleTurnAgentLoop:
         max_prompt_length: int | None = None,
         max_retries: int = 2,
         on_engine_error: Callable[[BaseException], Awaitable[bool]] | None = None,
+        cpu_threads: int = 4,
     ) -> None:
+        if cpu_threads < 1:
+            raise ValueError(f"cpu_threads={cpu_threads}: must be >= 1")
         self.client = client
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -60,12 +69,19 @@ class SingleTurnAgentLoop:
         self.max_prompt_length = max_prompt_length
         self.max_retries = max_retries
         self.on_engine_error = on_engine_error
+        self._cpu = ThreadPoolExecutor(cpu_threads, thread_name_prefix="agent-loop")
+        # HF tokenizers are not documented thread-safe: one tokenizer call at a time.
+        self._tokenizer_lock = threading.Lock()
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     def prompt_ids(self, row: Mapping[str, Any]) -> list[int]:
         messages = row[self.prompt_key]
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        ids = encode_prompt(self.tokenizer, list(messages))
+        with self._tokenizer_lock:
+            ids = encode_prompt(self.tokenizer, list(messages))
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             raise GroupFailed(
                 f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}"
@@ -95,7 +111,7 @@ class SingleTurnAgentLoop:
     ) -> list[Trajectory]:
         """`n` trajectories for `row`, each scored; raises `GroupFailed`."""
         try:
-            prompt_ids = self.prompt_ids(row)
+            prompt_ids = await self._off_loop(self.prompt_ids, row)
         except GroupFailed:
             raise
         except Exception as e:
@@ -107,25 +123,34 @@ class SingleTurnAgentLoop:
         outs = await asyncio.gather(
             *(self._generate(f"{uid}-{i}", prompt_ids, params) for i in range(n))
         )
-        trajectories = []
         source = row.get("data_source", "")
         truth = row.get("ground_truth")
-        for out in outs:
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            try:
-                reward = self.rewards.score(source, text, truth)
-            except RewardError as e:
-                raise GroupFailed(str(e)) from e
-            trajectories.append(
-                Trajectory(
-                    prompt_ids=list(prompt_ids),
-                    response_ids=list(out.token_ids),
-                    rollout_log_probs=[float(x) for x in out.logprobs],
-                    reward=reward,
-                    min_weight_version=int(out.min_weight_version),
-                    max_weight_version=int(out.max_weight_version),
-                    group_uid=uid,
-                    session_id=f"{uid}",
-                )
+        rewards = await self._off_loop(self._score, source, truth, outs)
+        return [
+            Trajectory(
+                prompt_ids=list(prompt_ids),
+                response_ids=list(out.token_ids),
+                rollout_log_probs=[float(x) for x in out.logprobs],
+                reward=reward,
+                min_weight_version=int(out.min_weight_version),
+                max_weight_version=int(out.max_weight_version),
+                group_uid=uid,
+                session_id=f"{uid}",
             )
-        return trajectories
+            for out, reward in zip(outs, rewards, strict=True)
+        ]
+
+    def _score(self, source: str, truth: Any, outs: Sequence[Any]) -> list[float]:
+        """Detokenise a group's responses (in one batch) and score them; runs in a
+        worker thread."""
+        ids = [list(out.token_ids) for out in outs]
+        batch_decode = getattr(self.tokenizer, "batch_decode", None)
+        with self._tokenizer_lock:
+            if batch_decode is not None:
+                texts = batch_decode(ids, skip_special_tokens=True)
+            else:
+                texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+        try:
+            return [self.rewards.score(source, text, truth) for text in texts]
+        except RewardError as e:
+            raise GroupFailed(str(e)) from e

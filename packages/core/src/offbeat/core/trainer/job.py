@@ -57,7 +57,10 @@ class RuntimeConfig:
     max_concurrent_groups: int = 32  # prompt groups generated at once
     ckpt_backend: str = "shm"  # a name in offbeat.ckpt_engine.backends()
     sync_timeout_s: float = 300.0
-    stall_timeout_s: float = 900.0  # no rollout progress this long while training waits: fail
+    stall_timeout_s: float = 900.0  # no group finished this long while training waits: fail
+    # Stop the run when this many train batches' worth of prompt groups in a row fail
+    # (reward or engine errors) with none finishing: the rollout has nothing to train on.
+    max_failed_batches: int = 3
     checkpoint_keep_last: int = 2
     progress_bar: bool = True
 
@@ -123,6 +126,10 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
         if bad_cpus:
             p.add("runtime.trainer_cpus", list(rt.trainer_cpus), f"cores of this machine: {usable}")
         p.require_int("runtime.trainer_threads", rt.trainer_threads)
+        p.require_int("runtime.max_failed_batches", rt.max_failed_batches)
+        stall = rt.stall_timeout_s
+        if isinstance(stall, bool) or not isinstance(stall, int | float) or stall <= 0:
+            p.add("runtime.stall_timeout_s", stall, "seconds > 0")
 
 
 # ---- building blocks ---------------------------------------------------------------------
@@ -421,8 +428,11 @@ async def run_with_replicas(
         )  # fmt: skip
         loader = PromptDataLoader(p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         driver = RolloutDriver(
-            buffer, loader, agent, n=cfg.rollout.n, max_concurrent_groups=rt.max_concurrent_groups
-        )
+            buffer, loader, agent, n=cfg.rollout.n, max_concurrent_groups=rt.max_concurrent_groups,
+            max_consecutive_failures=rt.max_failed_batches * cfg.data.train_batch_size,
+            limit_key=f"runtime.max_failed_batches={rt.max_failed_batches} × "
+            f"data.train_batch_size={cfg.data.train_batch_size}",
+        )  # fmt: skip
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
         validator = Validator.from_job(cfg, agent, val_rows)
@@ -486,4 +496,4 @@ async def shutdown_replicas(servers: dict[str, Any]) -> None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(handle.shutdown.remote(), 30)
             with contextlib.suppress(Exception):
-                ray.kill(handle)
+                await asyncio.to_thread(ray.kill, handle)

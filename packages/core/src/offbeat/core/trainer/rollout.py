@@ -5,6 +5,11 @@ whenever the buffer has free slots (so refills after evictions and failures are 
 and exact), and `max_concurrent_groups` workers take pending groups, run the agent loop
 and report each group finished or failed. It also keeps the clock of how long the rollout
 had work in flight (for the rollout idle fraction) and how many tokens it produced.
+
+A failed group is refilled, so a rollout whose every group fails would spin forever: after
+`max_consecutive_failures` groups in a row fail with none finishing, the workers stop and
+`check()` raises `RolloutFailing`, naming the data source and the first error of the run
+of failures.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from offbeat.core.buffer import AsyncReplayBuffer
@@ -56,8 +62,39 @@ class BusyClock:
         return self.busy_s
 
 
+class RolloutFailing(RuntimeError):
+    """Every prompt group of a window failed: the rollout produces nothing to train on."""
+
+
+@dataclass
+class FailureRun:
+    """The groups that failed since the last one finished (in completion order)."""
+
+    count: int = 0
+    first_uid: str = ""
+    first_source: str = ""
+    first_error: str = ""
+    sources: dict[str, int] = field(default_factory=dict)
+
+    def add(self, uid: str, source: str, error: str) -> None:
+        if self.count == 0:
+            self.first_uid, self.first_source, self.first_error = uid, source, error
+        self.count += 1
+        self.sources[source] = self.sources.get(source, 0) + 1
+
+    def describe(self) -> str:
+        return (
+            f"data_source {self.first_source!r} (failed groups by data_source: "
+            f"{self.sources}); first error, group {self.first_uid}: {self.first_error}"
+        )
+
+
 class RolloutDriver:
-    """Feeds `buffer` from `loader` and generates its pending groups with `agent`."""
+    """Feeds `buffer` from `loader` and generates its pending groups with `agent`.
+
+    `max_consecutive_failures`: how many groups in a row may fail (none finishing in
+    between) before the rollout gives up (None: never; the trainer's stall watchdog still
+    applies). `limit_key` names where that number comes from, for the error message."""
 
     def __init__(
         self,
@@ -67,18 +104,30 @@ class RolloutDriver:
         *,
         n: int,
         max_concurrent_groups: int,
+        max_consecutive_failures: int | None = None,
+        limit_key: str = "max_consecutive_failures",
     ) -> None:
         if max_concurrent_groups < 1:
             raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: must be >= 1")
+        if max_consecutive_failures is not None and max_consecutive_failures < 1:
+            raise ValueError(
+                f"max_consecutive_failures={max_consecutive_failures}: must be >= 1 or None"
+            )
         self.buffer = buffer
         self.loader = loader
         self.agent = agent
         self.n = n
         self.max_concurrent_groups = max_concurrent_groups
         self.clock = BusyClock()
+        self.max_consecutive_failures = max_consecutive_failures
+        self.limit_key = limit_key
         self.tokens_generated = 0
+        self.groups_finished = 0  # groups that can be trained: the rollout's progress
         self.groups_failed = 0
         self.errors: list[str] = []
+        self.failures = FailureRun()  # since the last finished group
+        self.fatal: RolloutFailing | None = None
+        self._fatal_set = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -105,11 +154,33 @@ class RolloutDriver:
                 await t
 
     def check(self) -> None:
-        """Re-raise the first unexpected error of a background task (a bug, not a failed
-        group), so a broken rollout side stops the run instead of hanging it."""
+        """Raise `RolloutFailing` once the failure limit was reached; re-raise the first
+        unexpected error of a background task (a bug, not a failed group), so a broken
+        rollout side stops the run instead of hanging it."""
+        if self.fatal is not None:
+            raise self.fatal
         for t in self._tasks:
             if t.done() and not t.cancelled() and t.exception() is not None:
                 raise RuntimeError(f"rollout task {t.get_name()} crashed") from t.exception()
+
+    async def wait_fatal(self) -> None:
+        """Return once the failure limit is reached (then `check()` raises)."""
+        await self._fatal_set.wait()
+
+    def _failed(self, uid: str, row: Any, error: GroupFailed) -> None:
+        self.groups_failed += 1
+        self.errors.append(f"{uid}: {error}")
+        logger.warning("group %s failed: %s", uid, error)
+        source = row.get("data_source", "") if hasattr(row, "get") else ""
+        self.failures.add(uid, str(source), str(error))
+        limit = self.max_consecutive_failures
+        if limit is not None and self.failures.count >= limit and self.fatal is None:
+            self.fatal = RolloutFailing(
+                f"the rollout is failing: {self.failures.count} prompt groups in a row failed "
+                f"and none finished ({self.limit_key}: {limit} groups), so there is nothing "
+                f"to train on; {self.failures.describe()}"
+            )
+            self._fatal_set.set()
 
     async def _feed(self) -> None:
         while True:
@@ -117,18 +188,18 @@ class RolloutDriver:
             await self.buffer.submit(self.loader.next(slots))
 
     async def _work(self) -> None:
-        while True:
+        while self.fatal is None:
             (group,) = await self.buffer.take_pending(1)
             self.clock.enter()
             try:
                 trajectories = await self.agent.sample(group.uid, group.prompt, self.n)
             except GroupFailed as e:
-                self.groups_failed += 1
-                self.errors.append(f"{group.uid}: {e}")
-                logger.warning("group %s failed: %s", group.uid, e)
+                self._failed(group.uid, group.prompt, e)
                 await self.buffer.fail(group.uid, str(e))
                 continue
             finally:
                 self.clock.exit()
             self.tokens_generated += sum(len(t.response_ids) for t in trajectories)
+            self.groups_finished += 1
+            self.failures = FailureRun()
             await self.buffer.finish(group.uid, trajectories)

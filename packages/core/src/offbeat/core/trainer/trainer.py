@@ -57,8 +57,8 @@ class TrainerSettings:
     val_before_train: bool = False
     resume: bool = False
     pad_token_id: int = 0
-    # Raise (instead of hanging) when the rollout finishes nothing for this long while the
-    # trainer waits for a batch; None: wait forever.
+    # Raise (instead of hanging) when no group finishes (failed ones do not count) for
+    # this long while the trainer waits for a batch; None: wait forever.
     stall_timeout_s: float | None = None
 
     @classmethod
@@ -191,10 +191,13 @@ class Trainer:
         self.trained_uids = list(state.get("trained_uids", []))
         self.evicted_uids = list(state.get("evicted_uids", []))
 
-    def _save(self) -> None:
+    async def _save(self) -> None:
+        """Save in a worker thread: the rollout keeps generating meanwhile. The state is
+        taken here, on the loop, so it is one consistent snapshot."""
         if self.checkpoints is None:
             return
-        path = self.checkpoints.save(self.step, self.engine, self.state())
+        state = self.state()
+        path = await asyncio.to_thread(self.checkpoints.save, self.step, self.engine, state)
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
     # ---- validation ----------------------------------------------------------------------
@@ -225,7 +228,7 @@ class Trainer:
         s = self.s
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
-            state = self.checkpoints.load(path, self.engine)
+            state = await asyncio.to_thread(self.checkpoints.load, path, self.engine)
             self._restore(state)
             start = self.step + 1
             self.tracker.event(f"resumed from {path} at step {start} (version {self.version})")
@@ -241,12 +244,12 @@ class Trainer:
                 metrics = await self._global_step(step)
                 self.tracker.log(step, metrics)
                 if s.save_freq > 0 and step % s.save_freq == 0:
-                    self._save()
+                    await self._save()
             await self._finish_validation()
         finally:
             await self.driver.stop()
         if s.save_freq == 0 and self.step >= start:
-            self._save()
+            await self._save()
         self.buffer.core.check_accounting()
         return {
             "wall_s": time.perf_counter() - run_t0,
@@ -256,36 +259,45 @@ class Trainer:
             "val_history": self.val_history,
         }
 
-    def _progress(self) -> tuple[int, ...]:
-        c = self.buffer.core.counts()
-        done = (c["finished"], c["trained"], c["evicted"], c["failed"])
-        return (*done, self.driver.tokens_generated)
+    def _progress(self) -> tuple[int, int]:
+        """Trained and finished groups; failed or evicted ones are not progress."""
+        return (self.buffer.core.counts()["trained"], self.driver.groups_finished)
 
     async def _wait_for_batch(self, step: int) -> tuple[list[PromptGroup], list[PromptGroup]]:
         waiter = asyncio.ensure_future(self.buffer.sample(self.s.train_batch_size))
+        fatal = asyncio.ensure_future(self.driver.wait_fatal())
         last, since = self._progress(), time.perf_counter()
-        while True:
-            done, _ = await asyncio.wait([waiter], timeout=min(1.0, self.s.stall_timeout_s or 1.0))
-            if done:
-                return waiter.result()
-            try:
-                self.driver.check()
+        try:
+            while True:
+                timeout = min(1.0, self.s.stall_timeout_s or 1.0)
+                await asyncio.wait(
+                    [waiter, fatal], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if waiter.done():
+                    return waiter.result()
+                self.driver.check()  # the failure limit, or a crashed rollout task
                 now = self._progress()
                 if now != last:
                     last, since = now, time.perf_counter()
                 elif (
                     self.s.stall_timeout_s and time.perf_counter() - since > self.s.stall_timeout_s
                 ):
-                    c = self.buffer.core.counts()
-                    raise RuntimeError(
-                        f"step {step}: the rollout finished nothing for "
-                        f"{self.s.stall_timeout_s:.0f}s (runtime.stall_timeout_s) while the "
-                        f"trainer waited for {self.s.train_batch_size} groups; buffer {c}; "
-                        f"replicas {self.pool.server_ids}, removed {self.pool.removed}"
-                    )
-            except BaseException:
+                    raise RuntimeError(self._stall_message(step))
+        finally:
+            fatal.cancel()
+            if not waiter.done():
                 waiter.cancel()
-                raise
+
+    def _stall_message(self, step: int) -> str:
+        c = self.buffer.core.counts()
+        f = self.driver.failures
+        failed = f"; {f.count} groups failed meanwhile: {f.describe()}" if f.count else ""
+        return (
+            f"step {step}: the rollout finished no prompt group for "
+            f"{self.s.stall_timeout_s:.0f}s (runtime.stall_timeout_s) while the trainer "
+            f"waited for {self.s.train_batch_size} groups{failed}; buffer {c}; "
+            f"replicas {self.pool.server_ids}, removed {self.pool.removed}"
+        )
 
     async def _global_step(self, step: int) -> dict[str, float]:
         s = self.s
@@ -301,7 +313,7 @@ class Trainer:
         self.trained_uids += [g.uid for g in groups]
         self.evicted_uids += [g.uid for g in evicted]
 
-        batch, data = build_train_batch(groups, s)
+        batch, data = await asyncio.to_thread(build_train_batch, groups, s)
         t0 = time.perf_counter()
         if s.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
