@@ -168,6 +168,7 @@ def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
     validation reward over weight versions (validation rows are logged at their version),
     staleness and span over steps, and a stacked bar per step of `STEP_PHASES`."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax1, ax_val, ax2, ax_time) = plt.subplots(4, 1, figsize=(7, 12))
     for key, label in PLOT_KEYS:
@@ -200,9 +201,15 @@ def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
         bottom = [b + v for b, v in zip(bottom, h, strict=True)]
     ax_time.set_ylabel("step time (s)")
     ax_time.set_xlabel("global step")
+    if steps:  # room above the bars for the legend
+        ax_time.set_ylim(0, 1.4 * max(max(bottom), 1e-9))
     for ax in (ax1, ax_val, ax2, ax_time):
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best", fontsize="small")
+            stacked = ax is ax_time
+            ax.legend(
+                loc="upper left" if stacked else "best", fontsize="small", ncol=3 if stacked else 1
+            )
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
