@@ -115,9 +115,20 @@ def test_trace_keys_name_key_value_and_what_is_valid(key, bad):
     assert repr(bad) in probs[f"trainer.{key}"]
 
 
+def test_trace_steps_is_rejected_where_trace_makes_it_unused():
+    validate(good(trainer__trace=True))  # the default trace_steps is fine
+    validate(good(trainer__trace=False, trainer__trace_steps=5))
+    probs = problems_of(good(trainer__trace=True, trainer__trace_steps=5))
+    assert list(probs) == ["trainer.trace_steps"]
+    assert "ignored with trainer.trace=true" in probs["trainer.trace_steps"]
+
+
 def test_trace_keys_load_from_overrides():
-    cfg = load_config(None, ["trainer.trace=true", "trainer.trace_steps=0", "model.path=m"])
-    assert cfg.trainer.trace is True and cfg.trainer.trace_steps == 0
+    cfg = load_config(None, ["trainer.trace=true", "model.path=m"])
+    assert cfg.trainer.trace is True
+    validate(cfg)
+    cfg = load_config(None, ["trainer.trace_steps=0", "model.path=m"])
+    assert cfg.trainer.trace is False and cfg.trainer.trace_steps == 0
     validate(cfg)
 
 

@@ -186,7 +186,7 @@ async def test_a_span_that_raises_is_recorded_with_the_error(exc):
 
 
 @pytest.mark.parametrize(
-    ("trace_on", "trace_steps", "steps"), [(False, 3, 3), (True, 3, None), (True, 0, None)]
+    ("trace_on", "trace_steps", "steps"), [(False, 3, 3), (False, 1, 1), (True, 3, None)]
 )
 def test_job_traces_every_step_with_trace_else_the_first_trace_steps(
     tmp_path, trace_on, trace_steps, steps

@@ -286,4 +286,14 @@ def _trace(cfg: Any, p: Problems) -> None:
     t = cfg.trainer
     if not isinstance(t.trace, bool):
         p.add("trainer.trace", t.trace, "must be true (trace every step) or false")
-    p.require_int("trainer.trace_steps", t.trace_steps, minimum=0)
+    if p.require_int("trainer.trace_steps", t.trace_steps, minimum=0) and t.trace is True:
+        from offbeat.core.config.schema import TrainerConfig
+
+        default = TrainerConfig.trace_steps
+        if t.trace_steps != default:
+            p.add(
+                "trainer.trace_steps",
+                t.trace_steps,
+                f"is ignored with trainer.trace=true (every step is traced): leave it at "
+                f"{default}, or set trainer.trace=false to trace only the first steps",
+            )
