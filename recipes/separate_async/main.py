@@ -54,6 +54,8 @@ def report(summary: dict[str, Any]) -> None:
     if summary.get("removed_replicas"):
         print(f"replicas removed: {summary['removed_replicas']}")
     print(f"metrics: {summary['metrics']}\nplot: {summary['plot']}")
+    if summary.get("trace"):
+        print(f"step timeline: {summary['trace']} (open in ui.perfetto.dev)")
 
 
 def main(cfg: RunConfig) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from ckpt_engine_fakes import BUCKET, RecordingTarget
 
@@ -21,6 +23,23 @@ async def test_lifecycle_order_across_replicas(model, make_target, calls):
     assert set(res.phase_s) == set(PHASES) and all(v >= 0 for v in res.phase_s.values())
     assert res.bytes >= sum(t.numel() * t.element_size() for t in model.values())
     assert res.transfer_gbps > 0
+
+
+async def test_phase_spans_per_pool_and_per_replica_are_ordered(model, make_target):
+    targets = {"r0": make_target("r0"), "r1": make_target("r1", fail_in="release_kv")}
+    mgr = CheckpointEngineManager("shm", bucket_bytes=BUCKET, phase_timeout_s=10)
+    res = await mgr.sync(model.items(), 1, targets)
+    assert list(res.phase_spans) == list(PHASES)
+    windows = [res.phase_spans[p] for p in PHASES]
+    assert all(s <= e for s, e in windows)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(windows))
+    for name, spans in res.replica_spans.items():
+        for phase, s, e in spans:  # each call lies inside its phase's pool-wide window
+            lo, hi = res.phase_spans[phase]
+            assert lo <= s <= e <= hi, (name, phase)
+    assert [p for p, _, _ in res.replica_spans["r0"]] == list(PHASES)
+    # r1 failed in release_kv: it takes part in no later phase
+    assert [p for p, _, _ in res.replica_spans["r1"]] == ["abort", "release_kv"]
 
 
 async def test_add_and_remove_replicas_between_syncs(model, make_target, calls):

@@ -99,6 +99,39 @@ def test_off_policy_threshold_must_be_positive_int(bad):
     assert list(probs) == ["async_training.max_off_policy_threshold"]
 
 
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [
+        ("trace", "yes"),
+        ("trace", 1),
+        ("trace_steps", -1),
+        ("trace_steps", 2.5),
+        ("trace_steps", True),
+    ],
+)
+def test_trace_keys_name_key_value_and_what_is_valid(key, bad):
+    probs = problems_of(good(**{f"trainer__{key}": bad}))
+    assert list(probs) == [f"trainer.{key}"]
+    assert repr(bad) in probs[f"trainer.{key}"]
+
+
+def test_trace_steps_is_rejected_where_trace_makes_it_unused():
+    validate(good(trainer__trace=True))  # the default trace_steps is fine
+    validate(good(trainer__trace=False, trainer__trace_steps=5))
+    probs = problems_of(good(trainer__trace=True, trainer__trace_steps=5))
+    assert list(probs) == ["trainer.trace_steps"]
+    assert "ignored with trainer.trace=true" in probs["trainer.trace_steps"]
+
+
+def test_trace_keys_load_from_overrides():
+    cfg = load_config(None, ["trainer.trace=true", "model.path=m"])
+    assert cfg.trainer.trace is True
+    validate(cfg)
+    cfg = load_config(None, ["trainer.trace_steps=0", "model.path=m"])
+    assert cfg.trainer.trace is False and cfg.trainer.trace_steps == 0
+    validate(cfg)
+
+
 def test_train_batch_must_be_sync_steps_times_mini_batch():
     cfg = good(data__train_batch_size=12, actor__ppo_mini_batch_size=4)
     cfg.async_training.parameter_sync_step = 3

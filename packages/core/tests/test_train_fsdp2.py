@@ -168,6 +168,32 @@ def test_update_reduces_loss_on_fixed_batch(model_dir):
     assert engine.global_update_count == 4
 
 
+def test_micro_batches_and_optimizer_step_are_spans_of_the_active_trace(model_dir):
+    from offbeat.core import trace
+
+    engine = make_engine(model_dir, micro_batch_size=3)
+    batch = with_old_log_probs(engine, make_batch(8, seed=1))
+    tracer = trace.Tracer(None)
+    token = trace.activate(tracer)
+    try:
+        with trace.span("mini-batch", "trainer/steps"):
+            engine.update(batch)
+        engine.compute_log_probs(batch)
+    finally:
+        trace.deactivate(token)
+    events = [e for e in tracer.events() if e["ph"] == "X"]
+    names = [e["name"] for e in events]
+    # 8 rows in micro-batches of 3: 3 forward/backward passes, then one optimizer step
+    assert (
+        names
+        == ["micro-batch"] * 3 + ["optimizer_step", "mini-batch"] + ["log_prob micro-batch"] * 3
+    )
+    assert [e["args"]["rows"] for e in events[:3]] == [3, 3, 2]
+    assert {(e["pid"], e["tid"]) for e in events} == {tracer.track("trainer/steps")}
+    assert trace.nesting_problems(events) == []
+    engine.compute_log_probs(batch)  # no active tracer: nothing recorded, nothing fails
+
+
 LOSSES = {
     "token-mean": PPOLossConfig(),
     "token-sum+kl": PPOLossConfig(loss_agg_mode="token-sum", use_kl_loss=True, kl_loss_coef=0.1),

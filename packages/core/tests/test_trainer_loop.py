@@ -5,6 +5,7 @@ Failing rollouts: test_trainer_failures.py; the event loop: test_event_loop.py."
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from trainer_fakes import FakeTokenizer, Harness, check_accounting, make_setting
 from offbeat.core.rewards import RewardRegistry, register_reward
 from offbeat.core.rollout import TokenOutput
 from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet
+from offbeat.core.trace import MAIN_TRACK, Tracer, nesting_problems
 from offbeat.core.trainer import SingleTurnAgentLoop, Trainer
 
 
@@ -181,3 +183,47 @@ def test_settings_reject_unknown_mode():
     with pytest.raises(ValueError, match=r"trainer\.mode='fast'"):
         Trainer(make_settings(mode="fast"), engine=None, buffer=None, driver=None, pool=None,
                 tracker=None)  # fmt: skip
+
+
+async def test_trace_has_steps_buffer_waits_train_syncs_and_lanes_per_replica(tmp_path):
+    tracer = Tracer(tmp_path / "trace.json", steps=2)  # the first 2 of 3 steps
+    h = Harness(tmp_path, servers=2, test_freq=1, old_log_prob_source="trainer", tracer=tracer)
+    await h.run()
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert nesting_problems(events) == []
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    tracks = {
+        (e["pid"], e["tid"]): f"{procs[e['pid']]}/{e['args']['name']}"
+        for e in events
+        if e["name"] == "thread_name"
+    }
+    by_track: dict[str, list[dict]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            by_track.setdefault(tracks[(e["pid"], e["tid"])], []).append(e)
+    main = by_track[MAIN_TRACK]
+    steps = [e for e in main if e["name"].startswith("step ")]
+    assert [e["name"] for e in steps] == ["step 1", "step 2"]  # step 3 is not traced
+    phases = ["generate_wait", "old_log_prob", "train", "sync"]
+    phases += ["abort", "release_kv", "transfer", "resume_kv", "resume"]
+    for step in steps:
+        inside = [
+            e["name"]
+            for e in main
+            if e is not step and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]
+        ]
+        assert [n for n in inside if n in phases] == phases, inside
+        assert inside.count("mini-batch") == 2  # parameter_sync_step
+    # step 2 waited for the validation started after step 1's sync
+    assert [e["name"] for e in main].count("validation_wait") == 1
+    for sid in ("s0", "s1"):
+        assert [e["name"] for e in by_track[f"{sid}/sync"]] == [
+            "sync v1",
+            *phases[4:],
+            "sync v2",
+            *phases[4:],
+        ]
+        lanes = [t for t in by_track if t.startswith(f"{sid}/lane ")]
+        generates = [e for t in lanes for e in by_track[t]]
+        assert generates and {e["name"] for e in generates} == {"generate"}
+        assert all({"request", "tokens", "stop"} <= set(e["args"]) for e in generates)

@@ -216,7 +216,7 @@ class Harness:
     `wrap_agent(agent)`: replace the agent loop (e.g. by a fake that fails groups)."""
 
     def __init__(self, tmp: Path, *, servers=1, threshold=2, strategy="drop", warmup=1,
-                 max_tokens=16, engine=None, rows=None, tick_s=0.0005, max_failures=None,
+                 max_tokens=16, engine=None, rows=None, tick_s=0.0005, max_failures=None, tracer=None,
                  wrap_agent=None, **settings):  # fmt: skip
         self.tmp = tmp
         self.settings = make_settings(**settings)
@@ -251,7 +251,7 @@ class Harness:
         self.trainer = Trainer(
             self.settings, engine=self.engine, buffer=self.buffer, driver=self.driver,
             pool=self.pool, tracker=self.tracker, checkpoints=self.checkpoints,
-            validator=Validator(self.agent, make_rows("reverse", 4, seed=99)),
+            validator=Validator(self.agent, make_rows("reverse", 4, seed=99)), tracer=tracer,
         )  # fmt: skip
 
     async def run(self):

@@ -39,6 +39,10 @@ class SyncResult:
     succeeded: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     phase_s: dict[str, float] = field(default_factory=dict)
+    # When each phase ran, in time.perf_counter() seconds (for a timeline): the pool's
+    # window per phase, and each replica's own calls, replica -> [(phase, start, end)].
+    phase_spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    replica_spans: dict[str, list[tuple[str, float, float]]] = field(default_factory=dict)
     bytes: int = 0
     buckets: int = 0
 
@@ -152,14 +156,22 @@ class CheckpointEngineManager:
             else:
                 alive.append(name)
 
+        async def timed(name: str, call, n: str) -> str | None:
+            t0 = time.perf_counter()
+            try:
+                return await self._guard(name, call, pool[n])
+            finally:
+                result.replica_spans.setdefault(n, []).append((name, t0, time.perf_counter()))
+
         async def phase(name: str, call: Callable[[SyncTarget], Awaitable[Any]]) -> None:
             t0 = time.perf_counter()
-            outcomes = await asyncio.gather(*(self._guard(name, call, pool[n]) for n in alive))
+            outcomes = await asyncio.gather(*(timed(name, call, n) for n in alive))
             for n, reason in zip(list(alive), outcomes, strict=True):
                 if reason is not None:
                     result.failed[n] = reason
                     alive.remove(n)
-            result.phase_s[name] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            result.phase_s[name], result.phase_spans[name] = t1 - t0, (t0, t1)
 
         await phase("abort", lambda t: t.abort_all())
         await phase("release_kv", lambda t: t.release_kv_cache())
@@ -171,7 +183,8 @@ class CheckpointEngineManager:
             result.bytes, result.buckets = report.bytes, report.buckets
             for n in [n for n in alive if n in result.failed]:
                 alive.remove(n)
-        result.phase_s["transfer"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        result.phase_s["transfer"], result.phase_spans["transfer"] = t1 - t0, (t0, t1)
         await phase("resume_kv", lambda t: t.resume_kv_cache())
         await phase("resume", lambda t: t.resume())
         result.succeeded = list(alive)
@@ -205,6 +218,7 @@ class CheckpointEngineManager:
         received: set[str] = set()
 
         async def receive_one(rank: int, name: str) -> None:
+            t0 = time.perf_counter()
             try:
                 got = await pool[name].update_weights(sender.spec(rank))
                 if got != version:
@@ -215,6 +229,9 @@ class CheckpointEngineManager:
             except Exception as e:
                 reasons[name] = f"transfer: {type(e).__name__}: {e}"
                 sender.drop(rank, reasons[name])
+            finally:
+                span = ("transfer", t0, time.perf_counter())
+                result.replica_spans.setdefault(name, []).append(span)
 
         recv_tasks = [asyncio.ensure_future(receive_one(r, n)) for r, n in enumerate(names)]
         deadline = time.monotonic() + timeout

@@ -172,6 +172,10 @@ class TrainerConfig:
     log_dir: str = "outputs"
     loggers: list[str] = field(default_factory=lambda: ["console"])
     seed: int = 0
+    # The step timeline, <log_dir>/<experiment_name>/trace.json (Chrome trace / Perfetto):
+    # every step when trace=true, else the first trace_steps steps (0: no trace).
+    trace: bool = False
+    trace_steps: int = 3
 
 
 @dataclass

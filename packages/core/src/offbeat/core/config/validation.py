@@ -279,3 +279,21 @@ def _model_and_trainer(cfg: Any, p: Problems) -> None:
     p.require_int("trainer.test_freq", t.test_freq, minimum=0)
     if not isinstance(t.checkpoint_dir, str) or not t.checkpoint_dir.strip():
         p.add("trainer.checkpoint_dir", t.checkpoint_dir, "must be a non-empty path")
+
+
+@check
+def _trace(cfg: Any, p: Problems) -> None:
+    t = cfg.trainer
+    if not isinstance(t.trace, bool):
+        p.add("trainer.trace", t.trace, "must be true (trace every step) or false")
+    if p.require_int("trainer.trace_steps", t.trace_steps, minimum=0) and t.trace is True:
+        from offbeat.core.config.schema import TrainerConfig
+
+        default = TrainerConfig.trace_steps
+        if t.trace_steps != default:
+            p.add(
+                "trainer.trace_steps",
+                t.trace_steps,
+                f"is ignored with trainer.trace=true (every step is traced): leave it at "
+                f"{default}, or set trainer.trace=false to trace only the first steps",
+            )

@@ -5,7 +5,8 @@ balancer, calls it, and releases the lease in `finally`. When the server answers
 "aborted" (a weight sync paused it) the client sends prompt + every token so far back to
 the balancer under the same request id (stickiness returns it to the same server unless
 that one left) with the remaining budget, until the answer is final. The agent loop sees
-one `TokenOutput`, as if nothing had happened.
+one `TokenOutput`, as if nothing had happened. Each server call is a span on one of that
+server's lanes in the run's trace, if one is active (`offbeat.core.trace`).
 
 Knows nothing about engines, weights or Ray beyond one thing: a server handle is either
 an object with `async generate(...)` or a Ray actor handle (`handle.generate.remote`).
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from offbeat.core import trace
 from offbeat.core.rollout.protocol import TokenOutput
 
 __all__ = ["PartialRolloutClient", "PartialRolloutConfig"]
@@ -138,9 +140,12 @@ class PartialRolloutClient:
                 )
             )
             try:
-                out = await self._call(
-                    lease.handle, request_id, full, {**base, "max_tokens": remaining}
-                )
+                # One lane per request in flight on this server, in the run's trace if any.
+                with trace.lane_span("generate", lease.server_id, request=request_id) as args:
+                    out = await self._call(
+                        lease.handle, request_id, full, {**base, "max_tokens": remaining}
+                    )
+                    args.update(tokens=len(out.token_ids), stop=out.stop_reason)
             finally:
                 await _maybe_await(self.balancer.release(lease))
             servers.append(lease.server_id)

@@ -4,7 +4,9 @@ decoder layer plus the root) over a 1-D data-parallel DeviceMesh.
 Knows nothing about where its batches come from, how advantages were computed or how
 weights reach the rollout engines: it computes log-probs, runs one PPO mini-batch update
 through a loss function (globally normalised over micro-batches and ranks), streams its
-weights out one parameter at a time, and saves/loads its sharded state with DCP.
+weights out one parameter at a time, and saves/loads its sharded state with DCP. Its
+micro-batches and optimizer steps are spans of the caller's active trace, if any
+(`offbeat.core.trace`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from offbeat.core import trace
 from offbeat.core.algorithms import global_normalizer
 from offbeat.core.device import Device, current_device, get_device
 from offbeat.core.train import _batch, _checkpoint, _sharding
@@ -267,7 +270,9 @@ class FSDP2TrainEngine:
         out = []
         with torch.no_grad():
             for i in range(rounds):
-                log_probs, _ = self._forward(micro[min(i, len(micro) - 1)], temperature, False)
+                with trace.span("log_prob micro-batch", index=i):
+                    mb = micro[min(i, len(micro) - 1)]
+                    log_probs, _ = self._forward(mb, temperature, False)
                 if i < len(micro):
                     out.append(log_probs.float().cpu())
         return torch.cat(out, dim=0)
@@ -306,24 +311,26 @@ class FSDP2TrainEngine:
         for i in range(rounds):
             real = i < len(micro)
             mb = micro[i] if real else micro[-1]
-            log_probs, entropy = self._forward(mb, temperature, with_entropy)
-            # The loss is already scaled by loss_scale = dp size: FSDP averages gradients
-            # over ranks, and the sum of the shares is what the mini-batch gradient is.
-            loss, mb_metrics = self._loss_fn(log_probs, entropy, mb, norm)
-            if not real:
-                loss = loss * 0.0  # a short rank keeps FSDP's collectives in step
-            loss.backward()
+            with trace.span("micro-batch", index=i, rows=int(mb["response_mask"].shape[0])):
+                log_probs, entropy = self._forward(mb, temperature, with_entropy)
+                # The loss is already scaled by loss_scale = dp size: FSDP averages gradients
+                # over ranks, and the sum of the shares is what the mini-batch gradient is.
+                loss, mb_metrics = self._loss_fn(log_probs, entropy, mb, norm)
+                if not real:
+                    loss = loss * 0.0  # a short rank keeps FSDP's collectives in step
+                loss.backward()
             if real:
                 objective += float(loss.detach()) / norm.loss_scale
                 metrics.add(mb_metrics, float(mb["loss_mask"].sum()) / norm.num_tokens)
-        grad_norm = self._clip_grad()
-        used_lr = self.lr
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            self._optimizer.zero_grad(set_to_none=True)
-        else:
-            self._optimizer.step()
-        self._scheduler.step()
+        with trace.span("optimizer_step"):
+            grad_norm = self._clip_grad()
+            used_lr = self.lr
+            skipped = not math.isfinite(grad_norm)
+            if skipped:
+                self._optimizer.zero_grad(set_to_none=True)
+            else:
+                self._optimizer.step()
+            self._scheduler.step()
         self._updates += 1
         metrics.add({"actor/loss": objective}, 1.0)
         result = metrics.reduce(self._group, self._device)

@@ -299,6 +299,16 @@ def base_sampling(cfg: JobConfig) -> dict[str, Any]:
     return params
 
 
+def make_tracer(trainer: Any, run_dir: Path) -> Any:
+    """The step timeline <run_dir>/trace.json: every step with `trainer.trace`, else the
+    first `trainer.trace_steps` (None when that is 0)."""
+    from offbeat.core.trace import Tracer
+
+    if not trainer.trace and trainer.trace_steps <= 0:
+        return None
+    return Tracer(run_dir / "trace.json", steps=None if trainer.trace else trainer.trace_steps)
+
+
 # ---- the run -----------------------------------------------------------------------------
 @dataclass
 class Prepared:
@@ -446,10 +456,11 @@ async def run_with_replicas(
             else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
         )
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
+        tracer = make_tracer(cfg.trainer, run_dir)
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
-            version_offset=version_offset,
+            version_offset=version_offset, tracer=tracer,
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s))
         try:
@@ -464,6 +475,7 @@ async def run_with_replicas(
             "run_dir": str(run_dir),
             "metrics": str(tracker.jsonl_path),
             "plot": str(plot) if plot else None,
+            "trace": str(tracer.path) if tracer is not None else None,
             "startup_s": p.setup_s + ready_s,
             "removed_replicas": dict(pool.removed),
             "trainer": trainer,

@@ -1,7 +1,7 @@
 """Where a run's metrics go: console, JSONL, TensorBoard, a progress bar, a final plot.
 
 Knows nothing about what the metrics mean beyond a few names the progress bar and the
-plot show (reward, staleness, tokens/s). Metric names are "section/name" strings; values
+plot show (reward, staleness, tokens/s, the `timing/*` phases of a step). Metric names are "section/name" strings; values
 are floats.
 """
 
@@ -41,6 +41,18 @@ PLOT_KEYS = (
     ("val/reward", "validation reward"),
     ("off_policy/trajectory_staleness_mean", "staleness (versions)"),
     ("off_policy/trajectory_spans_mean", "span (steps)"),
+)
+# The step-time bar: the phases of a step, in order; what they leave of timing/step_s
+# is drawn as "other".
+STEP_PHASES = (
+    ("timing/generate_wait_s", "generate wait"),
+    ("timing/old_log_prob_s", "old log-prob"),
+    ("timing/train_s", "train"),
+    ("timing/sync_abort_s", "sync abort"),
+    ("timing/sync_release_kv_s", "sync release KV"),
+    ("timing/sync_transfer_s", "sync transfer"),
+    ("timing/sync_resume_kv_s", "sync resume KV"),
+    ("timing/sync_resume_s", "sync resume"),
 )
 
 
@@ -127,7 +139,8 @@ class MetricsTracker:
             print(text, flush=True)
 
     def plot(self, path: str | Path | None = None) -> Path | None:
-        """A PNG of reward and staleness over steps (from this run's history)."""
+        """A PNG of this run's history: reward and staleness over steps, validation reward
+        over weight versions, and each step's time by phase (see `plot_history`)."""
         if not self.history:
             return None
         import matplotlib
@@ -136,21 +149,7 @@ class MetricsTracker:
         import matplotlib.pyplot as plt
 
         path = Path(path) if path is not None else self.log_dir / "reward_staleness.png"
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-        for key, label in PLOT_KEYS:
-            pts = [(r["step"], r[key]) for r in self.history if key in r]
-            if not pts:
-                continue
-            ax = ax1 if key.startswith(("reward", "val")) else ax2
-            ax.plot(*zip(*pts, strict=True), marker="o", label=label)
-        ax1.set_ylabel("reward")
-        ax1.legend(loc="best")
-        ax1.grid(alpha=0.3)
-        ax2.set_ylabel("off-policy")
-        ax2.set_xlabel("global step")
-        ax2.legend(loc="best")
-        ax2.grid(alpha=0.3)
-        fig.tight_layout()
+        fig = plot_history(self.history)
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
@@ -162,3 +161,55 @@ class MetricsTracker:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
+    """A matplotlib figure of four panels: train and validation reward over steps, the
+    validation reward over weight versions (validation rows are logged at their version),
+    staleness and span over steps, and a stacked bar per step of `STEP_PHASES`."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (ax1, ax_val, ax2, ax_time) = plt.subplots(4, 1, figsize=(7, 12))
+    for key, label in PLOT_KEYS:
+        pts = [(r["step"], r[key]) for r in history if key in r]
+        if not pts:
+            continue
+        ax = ax1 if key.startswith(("reward", "val")) else ax2
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    ax1.set_ylabel("reward")
+    ax1.set_xlabel("global step")
+    ax2.set_ylabel("off-policy")
+    ax2.set_xlabel("global step")
+
+    val = [(r["step"], r["val/reward"]) for r in history if "val/reward" in r]
+    if val:
+        ax_val.plot(*zip(*val, strict=True), marker="o", color="C1", label="validation reward")
+    ax_val.set_ylabel("validation reward")
+    ax_val.set_xlabel("weight version")
+
+    steps = [r for r in history if "timing/step_s" in r]
+    x = [r["step"] for r in steps]
+    bottom = [0.0] * len(steps)
+    for i, (key, label) in enumerate((*STEP_PHASES, ("", "other"))):
+        if key:
+            h = [r.get(key, 0.0) for r in steps]
+        else:
+            h = [max(0.0, r["timing/step_s"] - b) for r, b in zip(steps, bottom, strict=True)]
+        if any(v > 1e-4 for v in h):  # a phase this run does not have stays out
+            ax_time.bar(x, h, bottom=bottom, color=f"C{i}", label=label, width=0.8)
+        bottom = [b + v for b, v in zip(bottom, h, strict=True)]
+    ax_time.set_ylabel("step time (s)")
+    ax_time.set_xlabel("global step")
+    if steps:  # room above the bars for the legend
+        ax_time.set_ylim(0, 1.4 * max(max(bottom), 1e-9))
+    for ax in (ax1, ax_val, ax2, ax_time):
+        if ax.get_legend_handles_labels()[0]:
+            stacked = ax is ax_time
+            ax.legend(
+                loc="upper left" if stacked else "best", fontsize="small", ncol=3 if stacked else 1
+            )
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.tight_layout()
+    return fig

@@ -9,7 +9,8 @@ interrupts in-flight requests, which the client resumes on the new weights); in 
 the buffer admits one batch at a time, so generation and training alternate.
 
 Knows nothing about the concrete engines: it drives a `TrainEngine`, a `ReplicaPool`
-(weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`.
+(weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
+phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from offbeat.core import trace
 from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
 from offbeat.core.data import TrajectoryBatch
@@ -143,6 +145,7 @@ class Trainer:
         validator: Validator | None = None,
         rollout_memory: Any = None,
         version_offset: int = 0,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -165,6 +168,7 @@ class Trainer:
         self.val_history: list[tuple[int, float]] = []
         self._val_task: asyncio.Task | None = None
         self.sync_results: list[Any] = []
+        self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -205,7 +209,8 @@ class Trainer:
         if self._val_task is None:
             return
         task, self._val_task = self._val_task, None
-        version, metrics = await task
+        with trace.span("validation_wait"):
+            version, metrics = await task
         self.val_history.append((version, metrics["val/reward"]))
         self.tracker.log(version, metrics, advance=False)
         self.tracker.event(
@@ -235,19 +240,24 @@ class Trainer:
             # The replicas started from the base model: bring them to the restored version.
             await self.pool.sync(self.engine.export_weights, self.version)
         run_t0 = time.perf_counter()
+        token = trace.activate(self.tracer)  # the rollout tasks started below inherit it
         self.driver.start()
         try:
             if s.val_before_train and self.validator is not None:
                 self._start_validation()
                 await self._finish_validation()
             for step in range(start, s.total_training_steps + 1):
-                metrics = await self._global_step(step)
+                with trace.span(f"step {step}", trace.MAIN_TRACK, step=step):
+                    metrics = await self._global_step(step)
                 self.tracker.log(step, metrics)
+                await self.tracer.end_step()  # writes the step's spans off the event loop
                 if s.save_freq > 0 and step % s.save_freq == 0:
                     await self._save()
             await self._finish_validation()
         finally:
             await self.driver.stop()
+            await self.tracer.close()
+            trace.deactivate(token)
         if s.save_freq == 0 and self.step >= start:
             await self._save()
         self.buffer.core.check_accounting()
@@ -308,7 +318,8 @@ class Trainer:
         self.step = step
 
         t0 = time.perf_counter()
-        groups, evicted = await self._wait_for_batch(step)
+        with trace.span("generate_wait"):
+            groups, evicted = await self._wait_for_batch(step)
         wait_s = time.perf_counter() - t0
         self.trained_uids += [g.uid for g in groups]
         self.evicted_uids += [g.uid for g in evicted]
@@ -317,25 +328,30 @@ class Trainer:
         t0 = time.perf_counter()
         if s.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
-            data["old_log_probs"] = await asyncio.to_thread(
-                self.engine.compute_log_probs, data, s.temperature
-            )
+            with trace.span("old_log_prob"):
+                data["old_log_probs"] = await asyncio.to_thread(
+                    self.engine.compute_log_probs, data, s.temperature
+                )
         old_lp_s = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         rows_per_mb = s.ppo_mini_batch_size * s.n
         update_metrics: list[dict[str, float]] = []
-        for _ in range(s.ppo_epochs):
-            for k in range(s.parameter_sync_step):
-                mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
-                update_metrics.append(await asyncio.to_thread(self.engine.update, mb))
+        with trace.span("train"):
+            for epoch in range(s.ppo_epochs):
+                for k in range(s.parameter_sync_step):
+                    mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
+                    with trace.span("mini-batch", index=k, epoch=epoch):
+                        update_metrics.append(await asyncio.to_thread(self.engine.update, mb))
         train_s = time.perf_counter() - t0
 
         # The last validation must see only its own version: finish it before syncing.
         await self._finish_validation()
         t0 = time.perf_counter()
         version = self.version_offset + step
-        result = await self.pool.sync(self.engine.export_weights, version)
+        with trace.span("sync", version=version):
+            result = await self.pool.sync(self.engine.export_weights, version)
+            trace.add_sync(result)  # each phase, and every replica's phases on its track
         sync_s = time.perf_counter() - t0
         self.version = version
         self.sync_results.append(result)
