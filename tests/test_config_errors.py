@@ -24,6 +24,7 @@ from offbeat.core.config import ConfigError
         ("model.path=./no/such/model", "model.path"),
         ("runtime.ckpt_backend=pigeon", "runtime.ckpt_backend"),
         ("runtime.trainer_cpus=[4096]", "runtime.trainer_cpus"),
+        ("reward.functions.my_source=no_such_module_xyz:fn", "reward.functions.my_source"),
     ],
 )
 def test_invalid_config_names_the_key(override, key):
@@ -177,3 +178,23 @@ def test_npu_without_the_plugin_names_the_package(monkeypatch):
     (problem,) = [p for p in info.value.problems if p.key == "resources.device"]
     assert "unknown device" in problem.expected
     assert "offbeat-device-ascend[npu]" in problem.expected and "torch-npu" in problem.expected
+
+
+@pytest.mark.e2e
+def test_offbeat_check_lists_data_sources_without_a_reward(tmp_path):
+    """The data_source rule is registered in a fresh `offbeat check` process."""
+    from offbeat.core.tasks import write_parquet
+
+    rows = [
+        {"prompt": "q", "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "1"}},
+        {"prompt": "q", "data_source": "my/unscored", "reward_model": {"ground_truth": "2"}},
+    ]
+    path = write_parquet(rows, tmp_path / "train.parquet")
+    cmd = [
+        sys.executable, "-c", "import sys; from offbeat.core.cli import main; sys.exit(main())",
+        "check", "separate_async", f"data.train_files=[{path}]",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"data.train_files='{path}'" in proc.stderr
+    assert "'my/unscored' (1 row)" in proc.stderr and "'openai/gsm8k'" in proc.stderr

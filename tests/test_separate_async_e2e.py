@@ -3,8 +3,9 @@ tiny model, the shm checkpoint engine, the real buffer, client and balancer.
 
 Two replicas are started once for the module (engine start is the slow part) and shared
 by the scenarios, in order: a drop-mode run killed after step 2 and resumed, a wait-mode
-run with threshold 1, and finally a run that loses one replica mid-way. Weight versions
-keep counting up across scenarios (each run starts from the version the replicas hold).
+run with threshold 1, a run on verl's dataset format, and finally a run that loses one
+replica mid-way. Weight versions keep counting up across scenarios (each run starts from
+the version the replicas hold).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def world(tmp_path_factory):
         row["sampling"] = {"max_tokens": 40, "ignore_eos": True} if i % 4 == 0 else {}
     write_parquet(rows, tmp / "train.parquet")
     write_parquet(make_rows("add", 8, seed=1, min_len=1, max_len=1), tmp / "val.parquet")
-    cfg = config(tmp, "world")
+    # room for the verl-format prompts (up to 185 tokens with the byte tokenizer)
+    cfg = config(tmp, "world", "rollout.engine_kwargs.max_model_len=256")
     init_ray(cfg.runtime)
     prepared = prepare(cfg)
     servers = start_replicas(prepared)
@@ -199,6 +201,58 @@ def test_decoupled_ppo_with_rollout_correction(world):
     assert all("rollout_is/ratio_mean" in r for r in rows)
     assert all(abs(r["rollout_is/ratio_mean"] - 1.0) < 0.5 for r in rows)
     check_accounting(summary["trainer"])
+
+
+VERL_EXAMPLE = Path(__file__).parents[1] / "recipes/separate_async/data/verl_example.parquet"
+
+
+def test_verl_format_dataset_trains_with_its_data_source_scorers(world):
+    """verl's rows (chat `prompt`, `data_source`, `reward_model.ground_truth`,
+    `extra_info`) train as they are, scored by the GSM8K / MATH scorers registered under
+    verl's data_source names."""
+    from offbeat.core.registry import REWARD_FUNCTIONS
+    from offbeat.core.rewards import MATH_SOURCES
+    from offbeat.core.tasks import read_parquet
+
+    tmp, prepared, servers = world
+    rows = read_parquet(VERL_EXAMPLE)
+    truths = {(r["data_source"], r["reward_model"]["ground_truth"]) for r in rows}
+    sources = sorted({r["data_source"] for r in rows})
+    assert "openai/gsm8k" in sources and "lighteval/MATH" in sources
+    calls: list[tuple[str, str, str, dict]] = []
+    originals = {s: REWARD_FUNCTIONS.get(s) for s in sources}
+
+    def spy(source, fn):
+        def scored(response, ground_truth, **kw):
+            calls.append((source, ground_truth, kw["data_source"], kw["extra_info"]))
+            return fn(response, ground_truth, **kw)
+
+        return scored
+
+    for s, fn in originals.items():
+        REWARD_FUNCTIONS.register(s, spy(s, fn), override=True)
+    try:
+        cfg = config(
+            tmp, "verl_format", "trainer.total_training_steps=2", "data.max_prompt_length=200",
+            f"data.train_files=[{VERL_EXAMPLE}]", f"data.val_files=[{VERL_EXAMPLE}]",
+        )  # fmt: skip
+        summary = run(tmp, prepared, servers, cfg)
+    finally:
+        for s, fn in originals.items():
+            REWARD_FUNCTIONS.register(s, fn, override=True)
+    trainer = summary["trainer"]
+    counts = trainer.buffer.core.counts()
+    assert summary["steps"] == 2 and counts["trained"] == 2 * 4
+    assert counts["failed"] == 0, trainer.driver.errors
+    # every call went to the scorer registered for the row's own data_source, with the
+    # row's reward_model.ground_truth and extra_info
+    called = {c[0] for c in calls}
+    assert "openai/gsm8k" in called and called & set(MATH_SOURCES), called
+    assert all(c[0] == c[2] and (c[0], c[1]) in truths for c in calls)
+    assert all(c[3]["split"] == "train" and isinstance(c[3]["index"], int) for c in calls)
+    rows_logged = metric_rows(summary)
+    assert len(rows_logged) == 2 and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows_logged)
+    check_accounting(trainer)
 
 
 def test_one_of_two_replicas_killed_mid_run(world):

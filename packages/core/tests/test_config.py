@@ -232,9 +232,11 @@ def test_load_yaml_and_overrides(tmp_path):
             """
         )
     )
-    for name in ("a.parquet", "b.parquet"):  # validation checks that data files exist
-        (tmp_path / name).write_bytes(b"")
-    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    from offbeat.core.tasks import make_rows, write_parquet
+
+    # validation reads the data files: they must exist, be parquet, and name scored sources
+    a = write_parquet(make_rows("add", 2), tmp_path / "a.parquet")
+    b = write_parquet(make_rows("reverse", 2), tmp_path / "b.parquet")
     cfg = load_config(path, ["rollout.n=8", f"+data.train_files=[{a},{b}]"])
     assert isinstance(cfg, JobConfig) and isinstance(cfg.async_training, AsyncConfig)
     assert cfg.rollout.n == 8

@@ -1,4 +1,5 @@
-"""Reward registry: built-in scorers, user functions by import path, errors contained."""
+"""Reward registry: built-in scorers, user functions by import path or file, both calling
+conventions (offbeat's and verl's), errors contained."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_char_match_partial_credit():
 
 
 def user_reward(response, ground_truth, **extra):
-    return len(response) + extra.get("bonus", 0)
+    return len(response) + extra.get("bonus", 0) + extra.get("extra_info", {}).get("bonus", 0)
 
 
 def broken_reward(response, ground_truth, **extra):
@@ -78,7 +79,7 @@ def broken_reward(response, ground_truth, **extra):
 
 def test_user_function_by_import_path_and_errors_contained():
     reg = RewardRegistry({"mine": f"{__name__}:user_reward", "bad": f"{__name__}:broken_reward"})
-    assert reg.score("mine", "abc", None, {"bonus": 2}) == 5.0
+    assert reg.score("mine", "abc", None, {"bonus": 2}) == 5.0  # extra_info reaches it
     assert reg.score("exact_match", "a", "a") == 1.0
     with pytest.raises(RewardError, match="ZeroDivisionError"):
         reg.score("bad", "x", "y")
@@ -95,8 +96,76 @@ def test_nan_reward_is_an_error():
 @pytest.mark.parametrize(
     "path, match",
     [("no_colon", "pkg.module:function"), ("nonexistent_mod_xyz:f", "cannot import"),
-     ("math:not_there", "no callable")],
+     ("math:not_there", "no callable"), ("/no/such/file.py:f", "FileNotFoundError")],
 )  # fmt: skip
 def test_bad_import_paths_are_clear(path, match):
     with pytest.raises(ValueError, match=match):
         load_reward_fn(path)
+
+
+def test_math_scorer_reads_nested_boxes_and_latex():
+    assert math_answer("so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_answer("\\boxed{\\dfrac{3}{4}}", "\\frac34") == 1.0
+    assert extract_answer("\\boxed{\\sqrt{\\frac{1}{2}}} end") == "\\sqrt{\\frac{1}{2}}"
+
+
+# ---- calling conventions -----------------------------------------------------------------
+def fixed_signature(response, ground_truth):
+    return float(response == ground_truth)
+
+
+def wants_row_fields(response, ground_truth, data_source, extra_info=None, scale=1.0):
+    return scale * (data_source == "src") * extra_info["weight"]
+
+
+def verl_style(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth), "acc": True, "src": data_source}
+
+
+def verl_style_no_extra(data_source, solution_str, ground_truth):
+    return float(data_source == "src" and solution_str == ground_truth)
+
+
+def test_each_signature_gets_the_row_fields_it_accepts():
+    reg = RewardRegistry(
+        {
+            "src": f"{__name__}:wants_row_fields",
+            "fixed": f"{__name__}:fixed_signature",
+            "verl": f"{__name__}:verl_style",
+        },
+        kwargs={"scale": 2.0},
+    )
+    assert reg.score("src", "x", "y", {"weight": 0.25}) == 0.5  # data_source, extra_info, kwargs
+    reg.kwargs = {}
+    assert reg.score("fixed", "a", "a", {"weight": 1}) == 1.0  # takes neither: none passed
+    assert reg.score("verl", "a", "a", {"index": 3}) == 1.0  # a dict result: its "score"
+    assert reg.score("verl", "a", "b") == 0.0
+
+
+def test_verl_signature_without_extra_info_is_called_without_it():
+    reg = RewardRegistry({"src": f"{__name__}:verl_style_no_extra"})
+    assert reg.score("src", "7", "7", {"index": 1}) == 1.0
+
+
+def test_unknown_reward_kwarg_is_an_error_not_ignored():
+    reg = RewardRegistry({"fixed": f"{__name__}:fixed_signature"}, kwargs={"typo": 1})
+    with pytest.raises(RewardError, match="typo"):
+        reg.score("fixed", "a", "a")
+
+
+def test_user_function_from_a_file_path(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0 if solution_str.strip() == ground_truth else 0.0\n"
+    )
+    reg = RewardRegistry({"custom": f"{f}:compute_score"})
+    assert reg.score("custom", " 42 ", "42") == 1.0
+    assert load_reward_fn(f"{f}:compute_score") is load_reward_fn(f"{f}:compute_score")
+
+
+def test_a_module_that_raises_on_import_is_a_clear_error(tmp_path):
+    f = tmp_path / "broken_reward_mod.py"
+    f.write_text("raise RuntimeError('needs an API key')\n")
+    with pytest.raises(ValueError, match="RuntimeError: needs an API key"):
+        load_reward_fn(f"{f}:fn")

@@ -141,8 +141,12 @@ class AlgorithmConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = "task"  # a name in REWARD_FUNCTIONS
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    """How responses are scored (see offbeat.core.rewards for the calling convention)."""
+
+    name: str = "task"  # "task": each row by its data_source's function; else a registered one
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to every reward function
+    # data_source -> user function "pkg.mod:fn" or "path/to/file.py:fn" (before the registry)
+    functions: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

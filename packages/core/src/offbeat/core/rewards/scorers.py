@@ -1,17 +1,18 @@
-"""Built-in rule-based scorers: exact match and math answers.
+"""Built-in rule-based scorers: exact match, math answers, character match.
 
-Know nothing about where responses come from. Scores are 1.0 (correct) or 0.0.
+Know nothing about where responses come from. Scores are 1.0 (correct) or 0.0, except
+`char_match`'s partial credit. The scorers for public datasets under verl's data_source
+names are in `math_datasets`.
 """
 
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 from typing import Any
 
+from offbeat.core.rewards.latex import answers_match, last_boxed
 from offbeat.core.rewards.registry import BY_DATA_SOURCE, RewardError, register_reward
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _HASHES = re.compile(r"####\s*([^\n]*)")
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?")
 
@@ -30,8 +31,8 @@ def exact_match(response: str, ground_truth: Any, **_: Any) -> float:
 def extract_answer(response: str) -> str | None:
     """The final answer in a math response: `\\boxed{...}`, else after `####`, else the
     last number in the text."""
-    if m := _BOXED.findall(response):
-        return m[-1].strip()
+    if (boxed := last_boxed(response)) is not None:
+        return boxed
     if m := _HASHES.findall(response):
         return m[-1].strip()
     if m := _NUMBER.findall(response):
@@ -39,24 +40,15 @@ def extract_answer(response: str) -> str | None:
     return None
 
 
-def _as_number(text: str) -> Fraction | None:
-    text = text.replace(",", "").strip()
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
 @register_reward("math")
 def math_answer(response: str, ground_truth: Any, **_: Any) -> float:
-    """1.0 when the extracted final answer equals the ground truth, numerically when
-    both parse as numbers (so "0.5" == "1/2"), else as normalised text."""
+    """1.0 when the extracted final answer equals the ground truth: as numbers ("0.5" ==
+    "1/2" == "\\frac{1}{2}"), as normalised LaTeX, or as case-folded text."""
     answer = extract_answer(response)
     if answer is None:
         return 0.0
-    a, b = _as_number(answer), _as_number(str(ground_truth))
-    if a is not None and b is not None:
-        return float(a == b)
+    if answers_match(answer, str(ground_truth)):
+        return 1.0
     return float(_normalise(answer) == _normalise(ground_truth))
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from offbeat.core.data import Trajectory
 from offbeat.core.rewards import RewardError, RewardRegistry
+from offbeat.core.tasks.rows import reward_fields
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +124,8 @@ class SingleTurnAgentLoop:
         outs = await asyncio.gather(
             *(self._generate(f"{uid}-{i}", prompt_ids, params) for i in range(n))
         )
-        source = row.get("data_source", "")
-        truth = row.get("ground_truth")
-        rewards = await self._off_loop(self._score, source, truth, outs)
+        source, truth, extra_info = reward_fields(row)  # offbeat's or verl's row layout
+        rewards = await self._off_loop(self._score, source, truth, outs, extra_info)
         return [
             Trajectory(
                 prompt_ids=list(prompt_ids),
@@ -140,7 +140,9 @@ class SingleTurnAgentLoop:
             for out, reward in zip(outs, rewards, strict=True)
         ]
 
-    def _score(self, source: str, truth: Any, outs: Sequence[Any]) -> list[float]:
+    def _score(
+        self, source: str, truth: Any, outs: Sequence[Any], extra_info: Mapping[str, Any]
+    ) -> list[float]:
         """Detokenise a group's responses (in one batch) and score them; runs in a
         worker thread."""
         ids = [list(out.token_ids) for out in outs]
@@ -151,6 +153,6 @@ class SingleTurnAgentLoop:
             else:
                 texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         try:
-            return [self.rewards.score(source, text, truth) for text in texts]
+            return [self.rewards.score(source, text, truth, extra_info) for text in texts]
         except RewardError as e:
             raise GroupFailed(str(e)) from e

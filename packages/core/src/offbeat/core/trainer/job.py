@@ -28,6 +28,7 @@ from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.device import current_device
 from offbeat.core.registry import ROLLOUT_ENGINES, TRAIN_ENGINES
+from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.trainer.warm_start import WarmStartConfig
@@ -309,6 +310,14 @@ def make_tracer(trainer: Any, run_dir: Path) -> Any:
     return Tracer(run_dir / "trace.json", steps=None if trainer.trace else trainer.trace_steps)
 
 
+def reward_registry(cfg: JobConfig) -> Any:
+    """The job's `RewardRegistry`: `reward.functions` (user functions by data_source) first,
+    then the registered scorers; `reward.name` other than "task" scores every row."""
+    from offbeat.core.rewards import RewardRegistry
+
+    return RewardRegistry(cfg.reward.functions, name=cfg.reward.name, kwargs=cfg.reward.kwargs)
+
+
 # ---- the run -----------------------------------------------------------------------------
 @dataclass
 class Prepared:
@@ -391,7 +400,6 @@ async def run_with_replicas(
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.ckpt_engine import CheckpointEngineManager
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
-    from offbeat.core.rewards import RewardRegistry
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.tasks import PromptDataLoader, read_parquet
     from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
@@ -421,7 +429,7 @@ async def run_with_replicas(
     client = PartialRolloutClient(balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens))
     manager = CheckpointEngineManager(rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s)
     try:
-        rewards = RewardRegistry(name=cfg.reward.name, kwargs=cfg.reward.kwargs)
+        rewards = reward_registry(cfg)
         s = cfg.async_training
         buffer = AsyncReplayBuffer(
             BufferConfig(

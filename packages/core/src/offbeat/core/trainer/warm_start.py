@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from offbeat.core.tasks.rows import row_ground_truth, row_messages
 from offbeat.core.trainer.agent_loop import encode_prompt
 
 logger = logging.getLogger(__name__)
@@ -87,12 +88,15 @@ def warm_start(
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     examples = []
     for row in rows:
-        messages = row[prompt_key]
-        prompt = encode_prompt(tok, list(messages))
-        answer = list(tok.encode(str(row["ground_truth"]), add_special_tokens=False))
+        if (truth := row_ground_truth(row)) is None:
+            continue  # nothing to imitate
+        prompt = encode_prompt(tok, row_messages(row, prompt_key))
+        answer = list(tok.encode(str(truth), add_special_tokens=False))
         if end is not None:
             answer.append(end)
         examples.append((prompt, answer))
+    if not examples:
+        raise ValueError("warm start: no dataset row has a ground truth to imitate")
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     model.train()
