@@ -33,7 +33,7 @@ from offbeat.core.train.engine import LossFn, register_train_engine
 from offbeat.core.train.loss import PPOLoss, PPOLossConfig
 from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
 
-__all__ = ["FSDP2Config", "FSDP2TrainEngine"]
+__all__ = ["FSDP2Config", "FSDP2TrainEngine", "hf_name"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) put in front of
