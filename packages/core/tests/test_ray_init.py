@@ -8,7 +8,9 @@ The first tests start no Ray (ray.init is replaced); the last one starts a real 
 from __future__ import annotations
 
 import inspect
+import io
 import os
+import sys
 
 import psutil
 import pytest
@@ -18,6 +20,12 @@ from ray._private import worker as ray_worker
 
 from offbeat.core.trainer.job import RuntimeConfig, init_ray
 
+_ENV = (
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV",
+    "RAY_USAGE_STATS_ENABLED",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "TQDM_DISABLE",
+)
 UPGRADE = (
     f"ray {ray.__version__}: offbeat.core.trainer.job.init_ray relies on this private Ray "
     "name; a Ray upgrade removed or moved it, so update init_ray (and this test) for it"
@@ -63,10 +71,14 @@ def fake_ray_init(monkeypatch):
     monkeypatch.setattr(services, "get_node_ip_address", lambda *a, **k: "10.9.9.9")
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", init)
-    monkeypatch.delenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", raising=False)
-    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)
     monkeypatch.setattr(ray_constants, "RAY_ENABLE_UV_RUN_RUNTIME_ENV", True)
-    return calls
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a log file, not a terminal
+    saved = dict(os.environ)
+    for name in _ENV:
+        os.environ.pop(name, None)
+    yield calls
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_local_init_keeps_loopback_and_turns_dashboard_uv_and_usage_stats_off(fake_ray_init):
@@ -79,14 +91,30 @@ def test_local_init_keeps_loopback_and_turns_dashboard_uv_and_usage_stats_off(fa
     assert call["_node_ip_address"] == "127.0.0.1"
     assert ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV is False
     assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
+    # stdout is a log file: no library progress bars in the processes started from here
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    assert os.environ["TQDM_DISABLE"] == "1"
 
 
-def test_a_user_choice_in_the_environment_is_kept(fake_ray_init, monkeypatch):
-    monkeypatch.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "1")
-    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_library_progress_bars_stay(fake_ray_init, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    init_ray(RuntimeConfig())
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+    assert "TQDM_DISABLE" not in os.environ
+
+
+def test_a_user_choice_in_the_environment_is_kept(fake_ray_init):
+    os.environ.update({name: "1" for name in _ENV})
+    os.environ["TQDM_DISABLE"] = "0"
     init_ray(RuntimeConfig())
     assert ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV is True
     assert os.environ["RAY_USAGE_STATS_ENABLED"] == "1"
+    assert os.environ["TQDM_DISABLE"] == "0"
 
 
 def test_a_ray_without_the_patched_function_fails_with_a_clear_error(fake_ray_init, monkeypatch):

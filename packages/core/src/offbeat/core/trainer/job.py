@@ -181,15 +181,24 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
     Local: dashboard UI off, bound to loopback, usage stats off (the job reports to
     nothing outside). Ray has no switch for its dashboard *processes*: with the dashboard
     off it still starts a headless dashboard head (usage-stats module only, no port) and
-    the raylet's dashboard agent. Two private Ray names are relied on (a unit test fails
-    loudly if an upgrade removes either): `ray._private.services.resolve_ip_for_localhost`
-    and `ray._private.ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV`.
+    the raylet's dashboard agent. When stdout is not a terminal, library progress bars
+    are turned off for the processes started from here on. Two private Ray names are
+    relied on (a unit test fails loudly if an upgrade removes either):
+    `ray._private.services.resolve_ip_for_localhost` and
+    `ray._private.ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV`.
     """
     # Under `uv run`, Ray would start every worker through `uv run` again with the
     # working directory uploaded as a package (minutes per worker here); workers of a
     # job share the driver's environment, so use its interpreter directly.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import sys
+
+    if not (hasattr(sys.stdout, "isatty") and sys.stdout.isatty()):
+        # Model-loading progress bars (transformers here; tqdm in the processes Ray starts)
+        # redraw with carriage returns: keep them out of a log file.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
     import ray
     from ray._private import ray_constants, services
 

@@ -111,7 +111,7 @@ class MetricsTracker:
 
             self._bar = tqdm(
                 total=total_steps, initial=start_step, desc="offbeat", unit="step",
-                file=self._stream,
+                file=self._stream, disable=False,  # asked for, on a terminal: TQDM_DISABLE aside
             )  # fmt: skip
 
     def log(self, step: int, metrics: Mapping[str, Any], *, advance: bool = True) -> None:
