@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["find_recipes", "load_recipe", "main"]
+__all__ = ["find_recipes", "load_recipe", "load_recipe_config", "main"]
 
 
 def _recipe_roots() -> list[Path]:

@@ -19,6 +19,7 @@ from offbeat.core.algorithms.aggregation import (
     agg_loss,
     global_normalizer,
     masked_mean,
+    zero_masked,
 )
 from offbeat.core.algorithms.correction import RolloutCorrection, rollout_correction
 from offbeat.core.algorithms.kl import entropy_from_logits, entropy_loss, kl_loss, kl_penalty
@@ -47,4 +48,5 @@ __all__ = [
     "rollout_correction",
     "sequence_to_token_rewards",
     "value_loss",
+    "zero_masked",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from offbeat.core.algorithms.aggregation import zero_masked
 from offbeat.core.registry import ADV_ESTIMATORS
 
 __all__ = [
@@ -86,12 +87,14 @@ def sequence_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(values - mean) / std over the masked entries; masked-out entries become 0."""
+    """(values - mean) / std over the masked entries; masked-out entries become 0 (whatever
+    they held, NaN included)."""
     m = mask.to(values.dtype)
+    values = zero_masked(values, m)
     count = m.sum().clamp(min=1.0)
-    mean = (values * m).sum() / count
-    var = (((values - mean) * m) ** 2).sum() / (count - 1).clamp(min=1.0)
-    return (values - mean) * torch.rsqrt(var + eps) * m
+    mean = values.sum() / count
+    var = zero_masked((values - mean) ** 2, m).sum() / (count - 1).clamp(min=1.0)
+    return zero_masked((values - mean) * torch.rsqrt(var + eps), m)
 
 
 def gae_advantages(
@@ -110,7 +113,8 @@ def gae_advantages(
     advantages are whitened over the mask unless `whiten=False`.
     """
     mask = response_mask.to(torch.float32)
-    rewards, values = token_rewards.to(torch.float32), values.detach().to(torch.float32)
+    rewards = zero_masked(token_rewards.to(torch.float32), mask)
+    values = zero_masked(values.detach().to(torch.float32), mask)
     t_len = mask.shape[1]
     adv = torch.zeros_like(mask)
     last = torch.zeros(mask.shape[0])

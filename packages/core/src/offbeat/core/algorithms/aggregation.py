@@ -8,6 +8,10 @@ for the whole mini-batch, across all micro-batches and ranks, and every micro-ba
 divides by it, so the sum of micro-batch losses (and gradients) over all micro-batches on
 all ranks equals the full mini-batch's.
 
+Masked tokens never reach the sum: padding may hold NaN or inf (a log-prob of -inf, an
+unwritten buffer), and `x * mask` would turn those into NaN. Every aggregation and
+`masked_mean` selects with `torch.where` on the mask instead (`zero_masked`).
+
 Knows nothing about models or optimizers; only [B, T] per-token losses and masks.
 """
 
@@ -27,6 +31,7 @@ __all__ = [
     "agg_loss",
     "global_normalizer",
     "masked_mean",
+    "zero_masked",
 ]
 
 AGG_MODES = (
@@ -117,13 +122,23 @@ def agg_loss(
     fn = LOSS_AGG_MODES.get(mode)
     if loss_mat.shape != mask.shape:
         raise ValueError(f"agg_loss: loss {tuple(loss_mat.shape)} vs mask {tuple(mask.shape)}")
+    loss_mat = zero_masked(loss_mat, mask)
     return fn(loss_mat, mask.to(loss_mat.dtype), normalizer) * normalizer.loss_scale
 
 
+def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values` where `mask` is nonzero, exactly 0 elsewhere, whatever (NaN, inf) was there.
+
+    Unlike `values * mask` it neither lets NaN through nor sends NaN gradients back into
+    the masked positions (their gradient is exactly 0)."""
+    return torch.where(mask.bool(), values, values.new_zeros(()))
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` where `mask` is 1 (0 when the mask is empty); for metrics."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    """Mean of `values` where `mask` is 1 (0 when the mask is empty); for metrics.
+    Non-finite values on masked positions are ignored."""
+    weight = mask.to(values.dtype)
+    return zero_masked(values, mask).mul(weight).sum() / weight.sum().clamp(min=1.0)
 
 
 def _safe(x: float) -> float:

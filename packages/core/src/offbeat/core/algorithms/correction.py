@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offbeat.core.algorithms.aggregation import masked_mean, zero_masked
+
 __all__ = ["RolloutCorrection", "rollout_correction"]
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps the weights finite before truncation
@@ -54,7 +56,7 @@ def rollout_correction(
     if level == "none":
         return RolloutCorrection(torch.ones_like(m), mask, {})
     lower = 1.0 / threshold if threshold_lower is None else threshold_lower
-    log_ratio = (proximal_log_probs.detach() - behaviour_log_probs.detach()).float() * m
+    log_ratio = zero_masked((proximal_log_probs.detach() - behaviour_log_probs.detach()).float(), m)
     if level == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(m)
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
@@ -66,10 +68,9 @@ def rollout_correction(
         outside = (ratio > threshold) | (ratio < lower)
         new_mask = mask * (~outside).to(mask.dtype)
         weights = ratio * (~outside).to(ratio.dtype)
-    tokens = m.sum().clamp(min=1.0)
     metrics = {
-        "rollout_is/ratio_mean": float((ratio * m).sum() / tokens),
+        "rollout_is/ratio_mean": float(masked_mean(ratio, m)),
         "rollout_is/max_ratio": float(ratio[m > 0].max()) if (m > 0).any() else 1.0,
-        "rollout_is/outside_frac": float((outside.float() * m).sum() / tokens),
+        "rollout_is/outside_frac": float(masked_mean(outside.float(), m)),
     }
-    return RolloutCorrection(weights * m, new_mask, metrics)
+    return RolloutCorrection(zero_masked(weights, m), new_mask, metrics)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from offbeat.core.algorithms.aggregation import LossNormalizer, agg_loss
+from offbeat.core.algorithms.aggregation import LossNormalizer, agg_loss, zero_masked
 from offbeat.core.registry import KL_ESTIMATORS
 
 __all__ = ["entropy_from_logits", "entropy_loss", "kl_loss", "kl_penalty"]
@@ -52,7 +52,9 @@ def kl_loss(
     clamp: float = 10.0,
     mode: str = "token-mean",
 ) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch KL (multiply by the KL coefficient)."""
+    """This micro-batch's share of the mini-batch KL (multiply by the KL coefficient).
+    Log-probs on masked tokens are never read (NaN there leaves loss and gradient finite)."""
+    log_probs, ref_log_probs = zero_masked(log_probs, mask), zero_masked(ref_log_probs, mask)
     return agg_loss(kl_penalty(log_probs, ref_log_probs, kind, clamp), mask, mode, normalizer)
 
 

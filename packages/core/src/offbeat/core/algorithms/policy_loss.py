@@ -3,7 +3,13 @@ decoupled PPO (trust region around the proximal policy, IS correction to the beh
 policy).
 
 Per micro-batch: log-prob tensors in, a scalar loss (this micro-batch's share of the
-mini-batch loss, see `aggregation`) and detached metrics out. Knows nothing about models.
+mini-batch loss, see `aggregation`) and detached metrics out. Values on masked tokens are
+never read (they may be NaN or inf). Knows nothing about models.
+
+Clip metrics use verl's names and meanings: `actor/pg_clipfrac` is the fraction of tokens
+the ordinary clip cut, `actor/pg_clipfrac_lower` the fraction that the DUAL clip cut
+(A < 0 and -A r above -A c); `actor/pg_clipfrac_neg` is the ordinary clip's share on
+A < 0 tokens (r below 1 - clip_ratio_low), which verl does not report.
 """
 
 from __future__ import annotations
@@ -12,7 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offbeat.core.algorithms.aggregation import LossNormalizer, agg_loss, masked_mean
+from offbeat.core.algorithms.aggregation import (
+    LossNormalizer,
+    agg_loss,
+    masked_mean,
+    zero_masked,
+)
 from offbeat.core.algorithms.correction import rollout_correction
 
 __all__ = ["LossOutput", "decoupled_ppo_loss", "ppo_loss"]
@@ -48,9 +59,13 @@ def ppo_loss(
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         clip_ratio_c = None
-    log_ratio = (log_probs - old_log_probs.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    # Zero the masked positions of every input first: NaN there would otherwise reach the
+    # loss, the metrics, and (through the chain rule) the gradient of log_probs.
+    log_probs = zero_masked(log_probs, mask)
+    old = zero_masked(old_log_probs.detach(), mask)
+    adv = zero_masked(advantages.detach(), mask)
+    log_ratio = (log_probs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    adv = advantages.detach()
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     clipped = torch.maximum(pg1, pg2)
@@ -61,18 +76,19 @@ def ppo_loss(
         dual = (adv < 0) & (pg3 < clipped)
         token_loss = torch.where(adv < 0, torch.minimum(clipped, pg3), clipped)
     if is_weights is not None:
-        token_loss = token_loss * is_weights.detach()
+        token_loss = token_loss * zero_masked(is_weights.detach(), mask)
     loss = agg_loss(token_loss, mask, mode, normalizer)
     with torch.no_grad():
         m = mask.to(torch.float32)
+        cut = pg2 > pg1  # the ordinary clip took over
         metrics = {
-            "actor/pg_clipfrac": float(masked_mean((pg2 > pg1).float(), m)),
-            "actor/pg_clipfrac_lower": float(masked_mean(((adv < 0) & (pg2 > pg1)).float(), m)),
-            "actor/pg_dual_clipfrac": float(masked_mean(dual.float(), m)),
+            "actor/pg_clipfrac": float(masked_mean(cut.float(), m)),
+            "actor/pg_clipfrac_neg": float(masked_mean(((adv < 0) & cut).float(), m)),
+            "actor/pg_clipfrac_lower": float(masked_mean(dual.float(), m)),
             "actor/ppo_kl": float(masked_mean(-log_ratio, m)),
             "actor/ratio_mean": float(masked_mean(ratio, m)),
         }
-    return LossOutput(loss, token_loss * mask.to(token_loss.dtype), metrics)
+    return LossOutput(loss, zero_masked(token_loss, mask), metrics)
 
 
 def decoupled_ppo_loss(

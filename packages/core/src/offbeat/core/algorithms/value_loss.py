@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from offbeat.core.algorithms.aggregation import LossNormalizer, agg_loss, masked_mean
+from offbeat.core.algorithms.aggregation import (
+    LossNormalizer,
+    agg_loss,
+    masked_mean,
+    zero_masked,
+)
 from offbeat.core.algorithms.policy_loss import LossOutput
 
 __all__ = ["value_loss"]
@@ -25,9 +30,11 @@ def value_loss(
 ) -> LossOutput:
     """0.5 max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, ±cliprange).
 
-    All [B, T]; returns this micro-batch's share of the mini-batch value loss.
+    All [B, T]; returns this micro-batch's share of the mini-batch value loss. Values on
+    masked tokens are never read.
     """
-    old, ret = old_values.detach(), returns.detach()
+    values = zero_masked(values, mask)
+    old, ret = zero_masked(old_values.detach(), mask), zero_masked(returns.detach(), mask)
     clipped = old + (values - old).clamp(-cliprange_value, cliprange_value)
     err, err_clipped = (values - ret).square(), (clipped - ret).square()
     token_loss = 0.5 * torch.maximum(err, err_clipped)
@@ -37,4 +44,4 @@ def value_loss(
             "critic/vf_clipfrac": float(masked_mean((err_clipped > err).float(), mask)),
             "critic/vpred_mean": float(masked_mean(values, mask)),
         }
-    return LossOutput(loss, token_loss * mask.to(token_loss.dtype), metrics)
+    return LossOutput(loss, zero_masked(token_loss, mask), metrics)

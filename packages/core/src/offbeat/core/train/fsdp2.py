@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from offbeat.core import trace
-from offbeat.core.algorithms import global_normalizer
+from offbeat.core.algorithms import global_normalizer, zero_masked
 from offbeat.core.device import Device, current_device, get_device
 from offbeat.core.train import _batch, _checkpoint, _sharding
 from offbeat.core.train._metrics import MetricSums
@@ -33,7 +33,7 @@ from offbeat.core.train.engine import LossFn, register_train_engine
 from offbeat.core.train.loss import PPOLoss, PPOLossConfig
 from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
 
-__all__ = ["FSDP2Config", "FSDP2TrainEngine"]
+__all__ = ["FSDP2Config", "FSDP2TrainEngine", "hf_name"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) put in front of
@@ -238,8 +238,10 @@ class FSDP2TrainEngine:
         logits = logits / temperature
         log_probs = _batch.token_log_probs(logits, input_ids[:, -width:])
         entropy = _batch.entropy_from_logits(logits) if with_entropy else None
-        mask = mb["response_mask"].to(log_probs.dtype)
-        return log_probs * mask, (entropy * mask if entropy is not None else None)
+        mask = mb["response_mask"]
+        return zero_masked(log_probs, mask), (
+            zero_masked(entropy, mask) if entropy is not None else None
+        )
 
     def _max_over_ranks(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self._device)

@@ -175,26 +175,50 @@ def resolve_data(cfg: RunConfig, out_dir: Path) -> tuple[list[str], list[str]]:
 
 
 def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
-    """Join `rt.ray_address`, or start a local Ray (dashboard off, loopback) that sees
-    `num_gpus` GPUs (None: Ray counts them)."""
+    """Join `rt.ray_address`, or start a local Ray that sees `num_gpus` GPUs (None: Ray
+    counts them).
+
+    Local: dashboard UI off, bound to loopback, usage stats off (the job reports to
+    nothing outside). Ray has no switch for its dashboard *processes*: with the dashboard
+    off it still starts a headless dashboard head (usage-stats module only, no port) and
+    the raylet's dashboard agent. When stdout is not a terminal, library progress bars
+    are turned off for the processes started from here on. Two private Ray names are
+    relied on (a unit test fails loudly if an upgrade removes either):
+    `ray._private.services.resolve_ip_for_localhost` and
+    `ray._private.ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV`.
+    """
     # Under `uv run`, Ray would start every worker through `uv run` again with the
     # working directory uploaded as a package (minutes per worker here); workers of a
     # job share the driver's environment, so use its interpreter directly.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import sys
+
+    if not (hasattr(sys.stdout, "isatty") and sys.stdout.isatty()):
+        # Model-loading progress bars (transformers here; tqdm in the processes Ray starts)
+        # redraw with carriage returns: keep them out of a log file.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
     import ray
-    from ray._private import ray_constants
+    from ray._private import ray_constants, services
 
     if os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] in ("0", "false", "False"):
+        # Ray read the variable when it was imported, maybe before we set it.
         ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     if ray.is_initialized():
         return
     if rt.ray_address:
         ray.init(address=rt.ray_address, log_to_driver=True)
         return
-    from ray._private import services
-
     # Ray swaps a loopback node IP for the machine's reachable one, and its servers bind to
     # the node IP: keep loopback so a local job listens on nothing else.
+    missing = [f for f in ("resolve_ip_for_localhost", "is_localhost") if not hasattr(services, f)]
+    if missing:
+        raise RuntimeError(
+            f"ray {ray.__version__} has no ray._private.services.{missing[0]}, which offbeat "
+            "patches to keep a local Ray on loopback; use the Ray version in uv.lock, or set "
+            "runtime.ray_address to a cluster you started yourself"
+        )
     original = services.resolve_ip_for_localhost
     if services.is_localhost(rt.node_ip):
         services.resolve_ip_for_localhost = lambda host: host

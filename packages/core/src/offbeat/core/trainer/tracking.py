@@ -3,6 +3,9 @@
 Knows nothing about what the metrics mean beyond a few names the progress bar and the
 plot show (reward, staleness, tokens/s, the `timing/*` phases of a step). Metric names are "section/name" strings; values
 are floats.
+
+The progress bar is for a terminal only: when the stream is not one (a log file, a CI
+job, a pipe) there is no bar and no carriage return, just one line per step.
 """
 
 from __future__ import annotations
@@ -10,9 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,13 @@ CONSOLE_KEYS = (
     ("memory/trainer_peak_gb", "trainer_GB"),
     ("memory/rollout_peak_rss_gb", "rollout_GB"),
 )
+# The progress bar's postfix, and the step line when the bar is wanted but not shown.
+PROGRESS_KEYS = (
+    ("reward/mean", "reward"),
+    ("val/reward", "val"),
+    ("off_policy/trajectory_staleness_mean", "stale"),
+    ("perf/tokens_per_s", "tok/s"),
+)
 PLOT_KEYS = (
     ("reward/mean", "train reward"),
     ("val/reward", "validation reward"),
@@ -57,7 +68,13 @@ STEP_PHASES = (
 
 
 class MetricsTracker:
-    """Logs one dict of metrics per global step to every configured sink."""
+    """Logs one dict of metrics per global step to every configured sink.
+
+    Console lines and the progress bar go to `stream` (default: stdout). The bar is shown
+    only when `progress` is asked for and `stream` is a terminal; otherwise every step
+    writes exactly one line (the console line, or a short progress line when "console"
+    is not among the loggers).
+    """
 
     def __init__(
         self,
@@ -67,6 +84,7 @@ class MetricsTracker:
         total_steps: int | None = None,
         progress: bool = True,
         start_step: int = 0,
+        stream: TextIO | None = None,
     ) -> None:
         unknown = sorted(set(loggers) - set(LOGGERS))
         if unknown:
@@ -84,11 +102,17 @@ class MetricsTracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.log_dir / "tensorboard"))
+        self._stream = stream if stream is not None else sys.stdout
+        self._total = total_steps
+        self._progress_lines = progress and "console" not in self.loggers
         self._bar = None
-        if progress and total_steps:
+        if progress and total_steps and _is_terminal(self._stream):
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="offbeat", unit="step")
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, desc="offbeat", unit="step",
+                file=self._stream, disable=False,  # asked for, on a terminal: TQDM_DISABLE aside
+            )  # fmt: skip
 
     def log(self, step: int, metrics: Mapping[str, Any], *, advance: bool = True) -> None:
         """One row for `step`; `advance=False` for extra rows (validation) that neither
@@ -110,22 +134,17 @@ class MetricsTracker:
             self._tb.flush()
         if not advance:
             return
+        post = {short: f"{row[k]:.3g}" for k, short in PROGRESS_KEYS if k in row}
         if self._bar is not None:
-            post = {}
-            for key, short in (
-                ("reward/mean", "reward"),
-                ("val/reward", "val"),
-                ("off_policy/trajectory_staleness_mean", "stale"),
-                ("perf/tokens_per_s", "tok/s"),
-            ):
-                if key in row:
-                    post[short] = f"{row[key]:.3g}"
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
+        label = f"step {step}/{self._total}" if self._total else f"step {step}"
         if "console" in self.loggers:
             shown = [(short, row[k]) for k, short in CONSOLE_KEYS if k in row]
             text = " ".join(f"{short}={v:.4g}" for short, v in shown)
-            self._write(f"[step {step}] {text}")
+            self._write(f"[{label}] {text}")
+        elif self._progress_lines and self._bar is None:
+            self._write(f"[{label}] " + " ".join(f"{k}={v}" for k, v in post.items()))
 
     def event(self, message: str) -> None:
         """A one-line note (validation results, checkpoints, removed replicas)."""
@@ -134,9 +153,9 @@ class MetricsTracker:
 
     def _write(self, text: str) -> None:
         if self._bar is not None:
-            self._bar.write(text)
+            self._bar.write(text, file=self._stream)
         else:
-            print(text, flush=True)
+            print(text, file=self._stream, flush=True)
 
     def plot(self, path: str | Path | None = None) -> Path | None:
         """A PNG of this run's history: reward and staleness over steps, validation reward
@@ -153,6 +172,11 @@ class MetricsTracker:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+    @property
+    def shows_bar(self) -> bool:
+        """Whether a progress bar is drawn (only on a terminal)."""
+        return self._bar is not None
 
     def close(self) -> None:
         if self._bar is not None:
@@ -213,3 +237,10 @@ def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        return False

@@ -1,0 +1,71 @@
+"""MetricsTracker's console output: a progress bar on a terminal only; anywhere else (a
+log file, CI) no carriage return and exactly one line per step."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from offbeat.core.trainer.tracking import MetricsTracker
+
+STEPS = 6
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def run_steps(tmp_path, stream, loggers=("console", "jsonl"), progress=True) -> MetricsTracker:
+    tracker = MetricsTracker(tmp_path, loggers, total_steps=STEPS, progress=progress, stream=stream)
+    tracker.event("offbeat: starting")
+    for step in range(1, STEPS + 1):
+        tracker.log(step, {"reward/mean": step / 10, "perf/tokens_per_s": 100.0 * step})
+        if step % 3 == 0:  # validation rows and notes are not steps
+            tracker.log(step, {"val/reward": 0.5}, advance=False)
+            tracker.event(f"[step {step}] validation: reward=0.5")
+    tracker.close()
+    return tracker
+
+
+def step_lines(text: str) -> list[str]:
+    return [line for line in text.split("\n") if line.startswith("[step ") and "/" in line[:12]]
+
+
+@pytest.mark.parametrize("loggers", [("console", "jsonl"), ("jsonl",)])
+def test_non_terminal_gets_one_line_per_step_and_no_carriage_return(tmp_path, loggers):
+    out = io.StringIO()
+    tracker = run_steps(tmp_path, out, loggers)
+    text = out.getvalue()
+    assert not tracker.shows_bar
+    assert "\r" not in text
+    lines = step_lines(text)
+    assert [line.split("]")[0] for line in lines] == [
+        f"[step {s}/{STEPS}" for s in range(1, STEPS + 1)
+    ]
+    assert "reward=0.6" in lines[-1]
+    if "console" in loggers:  # the notes are lines of their own
+        assert text.count("validation: reward=0.5\n") == 2
+        assert text.startswith("offbeat: starting\n")
+    else:
+        assert "validation" not in text
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == STEPS + 2  # JSONL still gets every row
+
+
+def test_no_progress_and_no_console_writes_nothing(tmp_path):
+    out = io.StringIO()
+    run_steps(tmp_path, out, ("jsonl",), progress=False)
+    assert out.getvalue() == ""
+
+
+def test_terminal_gets_the_progress_bar(tmp_path):
+    out = Terminal()
+    tracker = run_steps(tmp_path, out)
+    assert tracker.shows_bar
+    text = out.getvalue()
+    assert "\r" in text and f"{STEPS}/{STEPS}" in text  # the bar redraws in place
+    # the console lines are still printed, above the bar
+    assert all(f"[step {s}/{STEPS}] " in text for s in range(1, STEPS + 1))
