@@ -198,3 +198,21 @@ def test_offbeat_check_lists_data_sources_without_a_reward(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"data.train_files='{path}'" in proc.stderr
     assert "'my/unscored' (1 row)" in proc.stderr and "'openai/gsm8k'" in proc.stderr
+
+
+@pytest.mark.e2e
+def test_offbeat_check_rejects_prompts_longer_than_max_prompt_length():
+    """The prompt-length rule is registered in a fresh `offbeat check` process: the recipe's
+    verl example file has prompts longer than the default data.max_prompt_length=64."""
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "recipes/separate_async/data/verl_example.parquet"
+    cmd = [
+        sys.executable, "-c", "import sys; from offbeat.core.cli import main; sys.exit(main())",
+        "check", "separate_async", f"data.train_files=[{path}]",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "data.max_prompt_length=64:" in proc.stderr, proc.stderr
+    assert "12 of 12 prompts in verl_example.parquet" in proc.stderr, proc.stderr
+    assert "set data.max_prompt_length>=185" in proc.stderr, proc.stderr

@@ -29,6 +29,7 @@ from offbeat.core.config.validation import Problems, check
 from offbeat.core.device import current_device
 from offbeat.core.registry import ROLLOUT_ENGINES, TRAIN_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
+from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.trainer.warm_start import WarmStartConfig
