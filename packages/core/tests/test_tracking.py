@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
@@ -69,3 +70,33 @@ def test_terminal_gets_the_progress_bar(tmp_path):
     assert "\r" in text and f"{STEPS}/{STEPS}" in text  # the bar redraws in place
     # the console lines are still printed, above the bar
     assert all(f"[step {s}/{STEPS}] " in text for s in range(1, STEPS + 1))
+
+
+def test_cli_turns_library_progress_bars_off_when_stdout_is_not_a_terminal(monkeypatch):
+    """tqdm reads TQDM_DISABLE on import, so the CLI sets it before any recipe import."""
+    import sys
+
+    from offbeat.core import cli
+
+    for key in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    cli.main(["recipes"])
+    assert os.environ["TQDM_DISABLE"] == "1"
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+
+
+def test_cli_keeps_progress_bars_on_a_terminal(monkeypatch):
+    import sys
+
+    from offbeat.core import cli
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for key in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(sys, "stdout", Tty())
+    cli.main(["recipes"])
+    assert "TQDM_DISABLE" not in os.environ

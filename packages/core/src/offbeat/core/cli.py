@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["find_recipes", "load_recipe", "load_recipe_config", "main"]
+__all__ = [
+    "find_recipes",
+    "load_recipe",
+    "load_recipe_config",
+    "main",
+    "quiet_progress_bars_off_a_terminal",
+]
 
 
 def _recipe_roots() -> list[Path]:
@@ -97,9 +103,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def quiet_progress_bars_off_a_terminal() -> None:
+    """When stdout is not a terminal, turn library progress bars off for this process and
+    the ones it starts. tqdm reads TQDM_DISABLE when it is imported, so this must run
+    before the recipe (and through it transformers) is imported."""
+    if not (hasattr(sys.stdout, "isatty") and sys.stdout.isatty()):
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     from offbeat.core.config import ConfigError
 
+    quiet_progress_bars_off_a_terminal()
     args = _parser().parse_args(argv)
     if args.command is None:
         _parser().print_help()
