@@ -1,17 +1,30 @@
-"""Figure 3 of offbeat-rollout-vllm: abort-to-resumed latency.
+"""Figure 3 of offbeat-rollout-vllm: abort-to-resumed latency; and, with `--job`, the
+sync abort under the default job's conditions.
 
-N requests decode through PartialRolloutClient -> AsyncLoadBalancer -> VLLMRolloutServer.
-We call `abort_all()` (every in-flight call returns "aborted" with its tokens), then
-`resume()`; the client resends prompt + tokens so far with the remaining budget. Measured:
-abort_all() until every interrupted call has returned; resume(); and from abort_all() until
-every interrupted request has produced its first new token again ("generating again").
-
+Default mode: N requests decode through PartialRolloutClient -> AsyncLoadBalancer ->
+VLLMRolloutServer (in this process). We call `abort_all()` (every in-flight call returns
+"aborted" with its tokens), then `resume()`; the client resends prompt + tokens so far with
+the remaining budget. Measured: abort_all() until every interrupted call has returned;
+resume(); and from abort_all() until every interrupted request has produced its first new
+token again ("generating again").
 Baseline, same run, same engine: the unavoidable part of a resume, i.e. raw
 `AsyncLLM.generate` of the same N (prompt + partial output) sequences on the idle engine,
 until each has produced one token (a re-prefill, since the KV cache is dropped with the
 weights). Progress is read from vLLM's output processor, which is fine for a benchmark.
 
+Job mode (`--job`): the recipe's replica started as `offbeat run separate_async` starts it
+(a Ray actor, the recipe's pinning), `runtime.max_concurrent_groups` x `rollout.n` requests
+kept in flight through the job's agent loop, client and balancer, the trainer's cores kept
+busy by a process spinning matmuls, and a weight sync of the job's weights (through the
+job's ReplicaPool and checkpoint engine) every `--interval` s. Printed per path: p50/p99
+of the sync's abort phase and of the whole sync, the median over `--runs` runs of
+`--syncs` syncs each, with the requests in flight and the load average. Paths: `new` (this
+code) and `old` (the path before the fix, selected by flag: one Ray actor call per sample,
+replica processes unconfined, only the trainer's main thread pinned).
+
     python benchmarks/rollout_abort_latency.py [--requests 64] [--repeats 3]
+    python benchmarks/rollout_abort_latency.py --job [--paths old,new] [--runs 3]
+        [--syncs 10] [--max-tokens 48] [key=value ...]
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import asyncio
 import os
 import random
 import statistics
+import sys
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -156,9 +170,145 @@ async def main(args: argparse.Namespace) -> None:
     print(f"  offbeat overhead beyond the re-prefill: {1e3 * over:.1f} ms")
 
 
+# ---- job mode ------------------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+async def job_path(path: str, args: argparse.Namespace) -> dict:
+    from job_common import OLD_PATH_OVERRIDES, JobLoad, LoopLag, loadavg, spin_cores
+
+    from offbeat.core.cli import load_recipe_config
+
+    overrides = ["runtime.progress_bar=false", *args.overrides]
+    if args.max_tokens:
+        overrides.append(f"rollout.max_tokens={args.max_tokens}")
+    if path == "old":
+        overrides += OLD_PATH_OVERRIDES
+    _, cfg = load_recipe_config("separate_async", overrides)
+    sampling = {"ignore_eos": True} if args.max_tokens else {}
+    out: dict = {"path": path, "runs": [], "load": []}
+    async with JobLoad(cfg, old_path=path == "old", sampling=sampling) as job:
+        spinner = spin_cores(list(cfg.runtime.trainer_cpus)) if not args.idle_trainer else None
+        lag = LoopLag()
+        lag.start()
+        try:
+            job.start_rollout()
+            for _ in range(args.runs):
+                out["load"].append(loadavg())
+                rows = []
+                for _ in range(args.syncs):
+                    await asyncio.sleep(args.interval)
+                    job.check()
+                    inflight = job.inflight
+                    lag.take()
+                    sync_s, result = await job.sync()
+                    status = (await job.server_status())[0]
+                    srv = status.get("last_abort") or {}
+                    rows.append(
+                        {
+                            "abort": result.phase_s["abort"],
+                            "sync": sync_s,
+                            "driver_inflight": inflight,
+                            "server_inflight": srv.get("inflight", -1),
+                            "pause": srv.get("pause_s", float("nan")),
+                            "drain": srv.get("drain_s", float("nan")),
+                            "lag": lag.take(),
+                        }
+                    )
+                out["runs"].append(rows)
+                print(
+                    f"  {path}: run {len(out['runs'])}: abort p50/p99 "
+                    f"{1e3 * pct([r['abort'] for r in rows], 0.5):.0f}/"
+                    f"{1e3 * pct([r['abort'] for r in rows], 0.99):.0f} ms, load {loadavg()}",
+                    flush=True,
+                )
+            out["load"].append(loadavg())
+        finally:
+            lag.stop()
+            if spinner is not None:
+                spinner.kill()
+    return out
+
+
+def job_report(results: list[dict], args: argparse.Namespace) -> None:
+    med = statistics.median
+    print()
+    print(
+        f"Sync abort under the default job's load: {os.cpu_count()} CPUs shared with other "
+        f"work; {args.runs} runs x {args.syncs} syncs per path, one every {args.interval}s; "
+        f"trainer's cores {'idle' if args.idle_trainer else 'busy (matmul spinner)'}; "
+        f"max_tokens {args.max_tokens or 'as configured'}"
+        f"{' (ignore_eos)' if args.max_tokens else ''}. ms, median over runs of each run's "
+        "p50 / p99."
+    )
+    print(
+        "\n| path | abort p50 | abort p99 | sync p50 | sync p99 | in flight (driver / replica) "
+        "| replica pause / drain p50 | driver loop lag p99 | load avg (1/5/15 min) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for res in results:
+        runs = res["runs"]
+
+        def over_runs(key: str, q: float, runs=runs) -> float:
+            return 1e3 * med(pct([r[key] for r in rows], q) for rows in runs)
+
+        allrows = [r for rows in runs for r in rows]
+        print(
+            f"| {res['path']} | {over_runs('abort', 0.5):.0f} | {over_runs('abort', 0.99):.0f} "
+            f"| {over_runs('sync', 0.5):.0f} | {over_runs('sync', 0.99):.0f} "
+            f"| {med(r['driver_inflight'] for r in allrows):.0f} / "
+            f"{med(r['server_inflight'] for r in allrows):.0f} "
+            f"| {over_runs('pause', 0.5):.0f} / {over_runs('drain', 0.5):.0f} "
+            f"| {over_runs('lag', 0.99):.0f} | {' -> '.join(res['load'])} |"
+        )
+    print("\nper run, abort p50 / p99 (ms):")
+    for res in results:
+        runs = ", ".join(
+            f"{1e3 * pct([r['abort'] for r in rows], 0.5):.0f}/"
+            f"{1e3 * pct([r['abort'] for r in rows], 0.99):.0f}"
+            for rows in res["runs"]
+        )
+        print(f"  {res['path']}: {runs}")
+
+
+async def job_main(args: argparse.Namespace) -> None:
+    import json
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ray
+
+    cores = os.sched_getaffinity(0)
+    results = []
+    for path in args.paths.split(","):
+        # One path at a time, each on its own replica and Ray, from an unpinned driver.
+        results.append(await job_path(path, args))
+        ray.shutdown()
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cores)
+    job_report(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", default="tiny")
-    asyncio.run(main(ap.parse_args()))
+    ap.add_argument("--job", action="store_true", help="the default job's conditions")
+    ap.add_argument("--paths", default="old,new", help="job mode: old, new or both")
+    ap.add_argument("--runs", type=int, default=3, help="job mode: runs per path")
+    ap.add_argument("--syncs", type=int, default=10, help="job mode: syncs per run")
+    ap.add_argument("--interval", type=float, default=1.0, help="job mode: s between syncs")
+    ap.add_argument(
+        "--max-tokens", type=int, default=48,
+        help="job mode: response length (ignore_eos) so requests stay in flight; 0: as configured",
+    )  # fmt: skip
+    ap.add_argument("--idle-trainer", action="store_true", help="job mode: no spinner")
+    ap.add_argument("--json", default="", help="job mode: also write the raw figures here")
+    ap.add_argument("overrides", nargs="*", help="job mode: recipe config overrides")
+    args = ap.parse_args()
+    asyncio.run(job_main(args) if args.job else main(args))

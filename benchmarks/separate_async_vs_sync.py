@@ -11,9 +11,9 @@ excluded), trainer and rollout idle fractions, mean staleness, and the ratio.
 
     uv run --frozen --no-sync python benchmarks/separate_async_vs_sync.py [--steps 20] [overrides]
 
-The recipe's default pins the trainer to core 1 and the engine's threads to core 0 (the
-resource split on a CPU machine); to measure without pinning add
-    runtime.trainer_cpus=[] runtime.rollout_env.VLLM_CPU_OMP_THREADS_BIND=auto
+The recipe's default pins the trainer to core 1 and every process of the replica to core 0
+(the resource split on a CPU machine); to measure without pinning add
+    runtime.trainer_cpus=[] runtime.rollout_cpus=[]
 """
 
 from __future__ import annotations

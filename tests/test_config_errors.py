@@ -25,6 +25,9 @@ from offbeat.core.config import ConfigError
         ("runtime.ckpt_backend=pigeon", "runtime.ckpt_backend"),
         ("runtime.trainer_cpus=[4096]", "runtime.trainer_cpus"),
         ("reward.functions.my_source=no_such_module_xyz:fn", "reward.functions.my_source"),
+        ("runtime.rollout_cpus=[4096]", "runtime.rollout_cpus"),
+        ("runtime.rollout_cpus=[0,1]", "runtime.rollout_cpus"),  # core 1 is the trainer's
+        ("runtime.rollout_cpus=[0,0]", "runtime.rollout_cpus"),
     ],
 )
 def test_invalid_config_names_the_key(override, key):

@@ -61,6 +61,7 @@ def overrides(tmp: Path, name: str, *extra: str) -> list[str]:
         "runtime.max_concurrent_groups=8",
         "runtime.progress_bar=false",
         "runtime.trainer_cpus=[]",  # two replicas: let vLLM place its threads
+        "runtime.rollout_cpus=[]",
         "runtime.rollout_env={VLLM_CPU_OMP_THREADS_BIND: auto}",
         f"data.train_files=[{tmp / 'train.parquet'}]",
         f"data.val_files=[{tmp / 'val.parquet'}]",

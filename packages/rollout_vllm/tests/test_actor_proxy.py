@@ -1,5 +1,6 @@
 """RemoteRolloutServer turns an actor handle into the RolloutServer / SyncTarget protocols
-(checked with a fake handle; the real Ray path runs in the separate_async e2e test)."""
+(checked with a fake handle; the real Ray path runs in test_e2e_replica_actor.py and the
+separate_async e2e test)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 from offbeat.ckpt_engine import ReceiveSpec, SyncTarget
 from offbeat.core.rollout import RolloutServer, TokenOutput
 from offbeat.rollout_vllm import RemoteRolloutServer
+from offbeat.rollout_vllm._batching import GenerateStream
 
 
 class _Method:
@@ -16,7 +18,14 @@ class _Method:
 
     def remote(self, *args):
         self.actor.calls.append((self.name, args))
-        return asyncio.ensure_future(getattr(self.actor, "_" + self.name)(*args))
+        method = getattr(self.actor, "_" + self.name)
+        if self.name == "generate_results":
+            return method(*args)  # a stream of awaitables, as Ray's streaming generator
+        return asyncio.ensure_future(method(*args))
+
+
+async def _ready(value):
+    return value
 
 
 class FakeActor:
@@ -25,9 +34,19 @@ class FakeActor:
     def __init__(self):
         self.calls = []
         self.version = 3
+        self.stream = GenerateStream(self._generate)
 
     def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
         return _Method(self, name)
+
+    async def _submit_generate(self, client_id, calls):
+        self.stream.submit(client_id, calls)
+
+    async def _generate_results(self, client_id):
+        async for items in self.stream.results(client_id):
+            yield _ready(items)
 
     async def _generate(self, request_id, prompt_ids, params):
         return TokenOutput([1, 2], [-0.1, -0.2], "length", weight_version=self.version)
@@ -63,9 +82,11 @@ async def test_proxy_forwards_every_call_and_tracks_the_version():
     await proxy.sleep(2)
     await proxy.wake_up(["weights"])
     names = [name for name, _ in actor.calls]
+    # generate travels batched: the result stream opens, then the batch of calls goes.
     assert names == [
         "get_weight_version",
-        "generate",
+        "generate_results",
+        "submit_generate",
         "abort_all",
         "release_kv_cache",
         "update_weights",
@@ -74,8 +95,34 @@ async def test_proxy_forwards_every_call_and_tracks_the_version():
         "sleep",
         "wake_up",
     ]
-    assert actor.calls[1][1] == ("r", [5], {"max_tokens": 2})
-    assert actor.calls[7][1] == (2,) and actor.calls[8][1] == (["weights"],)
+    (_client, calls) = actor.calls[2][1]
+    assert [c[1:] for c in calls] == [("r", [5], {"max_tokens": 2})]
+    assert actor.calls[8][1] == (2,) and actor.calls[9][1] == (["weights"],)
+
+
+async def test_unbatched_proxy_makes_one_call_per_generate():
+    actor = FakeActor()
+    proxy = RemoteRolloutServer(actor, weight_version=0, batched=False)
+    outs = await asyncio.gather(
+        *(proxy.generate(f"r{i}", [5], {"max_tokens": 2}) for i in range(3))
+    )
+    assert [o.token_ids for o in outs] == [[1, 2]] * 3
+    assert [name for name, _ in actor.calls] == ["generate"] * 3
+    assert proxy.weight_version == 3
+
+
+async def test_kv_cache_calls_stop_once_the_replica_says_they_do_nothing():
+    actor = FakeActor()
+
+    async def no_sleep_mode(*args):
+        return False
+
+    actor._release_kv_cache = actor._resume_kv_cache = no_sleep_mode
+    proxy = RemoteRolloutServer(actor, weight_version=0)
+    for _ in range(3):
+        await proxy.release_kv_cache()
+        await proxy.resume_kv_cache()
+    assert [name for name, _ in actor.calls] == ["release_kv_cache"]
 
 
 async def test_weight_version_never_asks_the_actor(monkeypatch):

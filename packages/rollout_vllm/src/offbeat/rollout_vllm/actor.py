@@ -1,46 +1,57 @@
 """The Ray shell around `VLLMRolloutServer`: one factory, one proxy.
 
-`vllm_server_actor(config, **ray_options)` starts a replica as an async Ray actor (the
-engine and its worker processes live in the actor's process tree). `RemoteRolloutServer`
-turns the actor handle back into the `RolloutServer` / `SyncTarget` protocols (async
-methods awaiting ObjectRefs, `weight_version` as a property), which is what the
-CheckpointEngineManager expects; the PartialRolloutClient takes either. Every call to the
-actor is awaited: nothing here blocks the event loop (no `ray.get`). Knows nothing about
-vLLM itself.
+`vllm_server_actor(config, cpus=..., **ray_options)` starts a replica as an async Ray actor
+(the engine and its worker processes live in the actor's process tree, confined to `cpus`).
+`RemoteRolloutServer` turns the actor handle back into the `RolloutServer` / `SyncTarget`
+protocols (async methods awaiting ObjectRefs, `weight_version` as a property), which is what
+the CheckpointEngineManager expects; the PartialRolloutClient takes either. Its `generate`
+calls travel batched (`_batching.py`): one Ray message per event-loop tick, results back on
+one stream, so control calls (`abort_all`, ...) never queue behind hundreds of samples.
+Every call to the actor is awaited: nothing here blocks the event loop (no `ray.get`).
+Knows nothing about vLLM itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.core.rollout.protocol import TokenOutput
+from offbeat.rollout_vllm._batching import BatchedGenerateClient
 
 __all__ = ["RemoteRolloutServer", "vllm_server_actor"]
 
 
-def vllm_server_actor(config: Any, **ray_options: Any) -> Any:
+def vllm_server_actor(config: Any, *, cpus: Sequence[int] | None = None, **ray_options: Any) -> Any:
     """Start a `VLLMRolloutServer(config)` as a Ray actor; return its handle.
 
+    `cpus`: cores that every process of the replica is confined to (None: no confinement).
     `ray_options` go to `ray.remote` (e.g. `num_gpus=1`, `name=...`, `scheduling_strategy`);
-    the defaults ask for one CPU and allow many concurrent `generate` calls.
+    the defaults ask for one CPU and allow many concurrent calls.
     """
     import ray
 
-    from offbeat.rollout_vllm.server import VLLMRolloutServer
+    from offbeat.rollout_vllm._replica_actor import VLLMReplicaActor
 
     options = {"num_cpus": 1, "max_concurrency": 100_000, **ray_options}
-    return ray.remote(**options)(VLLMRolloutServer).remote(config)
+    return ray.remote(**options)(VLLMReplicaActor).remote(config, list(cpus or []))
 
 
 class RemoteRolloutServer:
     """A Ray actor handle of `VLLMRolloutServer` seen as a local `RolloutServer` and
     `SyncTarget` (what `CheckpointEngineManager` and `PartialRolloutClient` take)."""
 
-    def __init__(self, handle: Any, weight_version: int | None = None) -> None:
+    def __init__(
+        self, handle: Any, weight_version: int | None = None, *, batched: bool = True
+    ) -> None:
         self.handle = handle
         self._weight_version = weight_version
+        # False: one Ray call per `generate` (handles without the batched methods, e.g. a
+        # plain `ray.remote(VLLMRolloutServer)`; the path before batching).
+        self.batched = batched
+        self._calls = BatchedGenerateClient(handle)
+        self._kv_noop = False  # the replica said its KV-cache calls do nothing
 
     @property
     def weight_version(self) -> int | None:
@@ -57,7 +68,10 @@ class RemoteRolloutServer:
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any]
     ) -> TokenOutput:
-        out = await self.handle.generate.remote(request_id, prompt_ids, dict(sampling_params))
+        if self.batched:
+            out = await self._calls.generate(request_id, prompt_ids, sampling_params)
+        else:
+            out = await self.handle.generate.remote(request_id, prompt_ids, dict(sampling_params))
         self._weight_version = out.weight_version
         return out
 
@@ -68,10 +82,16 @@ class RemoteRolloutServer:
         await self.handle.resume.remote()
 
     async def release_kv_cache(self) -> None:
-        await self.handle.release_kv_cache.remote()
+        # A replica without sleep mode (CPU) says so once; its no-op calls are skipped
+        # from then on (each is a round trip on the weight sync's critical path).
+        if self._kv_noop:
+            return
+        self._kv_noop = await self.handle.release_kv_cache.remote() is False
 
     async def resume_kv_cache(self) -> None:
-        await self.handle.resume_kv_cache.remote()
+        if self._kv_noop:
+            return
+        self._kv_noop = await self.handle.resume_kv_cache.remote() is False
 
     async def sleep(self, level: int = 1) -> None:
         await self.handle.sleep.remote(level)

