@@ -2,7 +2,7 @@
 
 `vllm_server_actor(config, **ray_options)` starts a replica as an async Ray actor (the
 engine and its worker processes live in the actor's process tree). `RemoteRolloutServer`
-turns the actor handle back into the `RolloutServer` / `SyncTarget` protocols (async
+turns the actor handle back into the `GroupRolloutServer` / `SyncTarget` protocols (async
 methods awaiting ObjectRefs, `weight_version` as a property), which is what the
 CheckpointEngineManager expects; the PartialRolloutClient takes either. Every call to the
 actor is awaited: nothing here blocks the event loop (no `ray.get`). Knows nothing about
@@ -35,7 +35,7 @@ def vllm_server_actor(config: Any, **ray_options: Any) -> Any:
 
 
 class RemoteRolloutServer:
-    """A Ray actor handle of `VLLMRolloutServer` seen as a local `RolloutServer` and
+    """A Ray actor handle of `VLLMRolloutServer` seen as a local `GroupRolloutServer` and
     `SyncTarget` (what `CheckpointEngineManager` and `PartialRolloutClient` take)."""
 
     def __init__(self, handle: Any, weight_version: int | None = None) -> None:
@@ -60,6 +60,16 @@ class RemoteRolloutServer:
         out = await self.handle.generate.remote(request_id, prompt_ids, dict(sampling_params))
         self._weight_version = out.weight_version
         return out
+
+    async def generate_group(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any], n: int
+    ) -> list[TokenOutput]:
+        outs = await self.handle.generate_group.remote(
+            request_id, prompt_ids, dict(sampling_params), n
+        )
+        if outs:
+            self._weight_version = outs[-1].weight_version
+        return outs
 
     async def abort_all(self) -> None:
         await self.handle.abort_all.remote()
