@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from offbeat.ckpt_engine import ReceiveSpec, SyncTarget
-from offbeat.core.rollout import RolloutServer, TokenOutput
+from offbeat.core.rollout import GroupRolloutServer, RolloutServer, TokenOutput, supports_group
 from offbeat.rollout_vllm import RemoteRolloutServer
 from offbeat.rollout_vllm._batching import GenerateStream
 
@@ -50,6 +50,9 @@ class FakeActor:
 
     async def _generate(self, request_id, prompt_ids, params):
         return TokenOutput([1, 2], [-0.1, -0.2], "length", weight_version=self.version)
+
+    async def _generate_group(self, request_id, prompt_ids, params, n):
+        return [TokenOutput([k], [-0.1], "stop", weight_version=self.version + 1) for k in range(n)]
 
     async def _update_weights(self, spec):
         self.version = spec.version
@@ -123,6 +126,18 @@ async def test_kv_cache_calls_stop_once_the_replica_says_they_do_nothing():
         await proxy.release_kv_cache()
         await proxy.resume_kv_cache()
     assert [name for name, _ in actor.calls] == ["release_kv_cache"]
+
+
+async def test_proxy_forwards_a_group_and_keeps_its_version():
+    actor = FakeActor()
+    proxy = RemoteRolloutServer(actor, weight_version=0)
+    assert isinstance(proxy, GroupRolloutServer) and supports_group(proxy)
+    params = {"max_tokens": 2}
+    outs = await proxy.generate_group("g", [5], params, 3)
+    assert [o.token_ids for o in outs] == [[0], [1], [2]]
+    assert actor.calls == [("generate_group", ("g", [5], {"max_tokens": 2}, 3))]
+    assert actor.calls[0][1][2] is not params  # the actor gets its own copy
+    assert proxy.weight_version == 4
 
 
 async def test_weight_version_never_asks_the_actor(monkeypatch):

@@ -17,6 +17,19 @@ def test_keys_pass_through_and_hot_path_fields_are_forced():
     assert params["logprobs"] == 5  # the caller's dict is untouched
 
 
+def test_a_group_size_becomes_vllms_n():
+    sp = to_sampling_params({"max_tokens": 3, "seed": 4}, n=8)
+    assert (sp.n, sp.seed, sp.output_kind) == (8, 4, RequestOutputKind.FINAL_ONLY)
+    assert to_sampling_params({"max_tokens": 3}).n == 1
+    # vLLM refuses n > 1 for greedy sampling: the server then sends n requests.
+    assert to_sampling_params({"max_tokens": 3, "temperature": 0.0}, n=8).n == 1
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"n={bad!r}: expected an int >= 1"):
+            to_sampling_params({"max_tokens": 3}, n=bad)
+    with pytest.raises(ValueError, match="generate_group"):
+        to_sampling_params({"max_tokens": 3, "n": 2}, n=2)
+
+
 def test_max_new_tokens_is_an_alias():
     assert to_sampling_params({"max_new_tokens": 9}).max_tokens == 9
     assert to_sampling_params({"max_new_tokens": 9, "max_tokens": 9}).max_tokens == 9

@@ -2,7 +2,8 @@
 
 Knows nothing about the engine or the balancer. Keys are vLLM's own `SamplingParams` fields
 (passed straight through, no lowest-common-denominator renaming) plus `max_new_tokens` as
-an alias of `max_tokens`. Three fields are forced because the adapter relies on them:
+an alias of `max_tokens`; `n` is not a key (the group size is `generate_group`'s argument).
+Three fields are forced because the adapter relies on them:
 `logprobs=0` (vLLM then returns the sampled token's log-probability), `detokenize=False`
 (token ids only) and `output_kind=FINAL_ONLY` (one output per request, no per-token
 Python objects).
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, SamplingType
 
 __all__ = ["FORCED_KEYS", "sampling_keys", "to_sampling_params"]
 
@@ -27,11 +28,16 @@ def sampling_keys() -> frozenset[str]:
     return frozenset(fields) | {"max_new_tokens"}
 
 
-def to_sampling_params(params: Mapping[str, Any]) -> SamplingParams:
-    """Validate `params` and build the `SamplingParams` the engine is given.
+def to_sampling_params(params: Mapping[str, Any], n: int = 1) -> SamplingParams:
+    """Validate `params` and build the `SamplingParams` the engine is given, for `n`
+    samples of the prompt in one request (vLLM's parallel sampling: sample `i` gets
+    `seed + i`). Greedy params (temperature 0) come back with `n=1`: vLLM refuses `n > 1`
+    there, so the caller sends `n` requests (whose answers are the same).
 
     Raises ValueError naming the bad key or value; never mutates `params`.
     """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}: expected an int >= 1 (samples of the prompt)")
     if not isinstance(params, Mapping):
         raise ValueError(
             f"sampling_params must be a mapping, got {type(params).__name__}: {params!r}"
@@ -59,17 +65,22 @@ def to_sampling_params(params: Mapping[str, Any]) -> SamplingParams:
         raise ValueError(f"sampling_params max_tokens={max_tokens!r}: expected an int >= 1")
     if kwargs.get("n", 1) != 1:
         raise ValueError(
-            f"sampling_params n={kwargs['n']!r}: the adapter returns one sequence per call; "
-            "send n requests (e.g. one per GRPO sample) instead"
+            f"sampling_params n={kwargs['n']!r}: generate returns one sequence per call; "
+            "call generate_group(request_id, prompt_ids, sampling_params, n) for a group"
         )
+    kwargs.pop("n", None)
     for key in FORCED_KEYS & set(kwargs):
         kwargs.pop(key)
     _check_value_types(kwargs)
     kwargs.update(logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     try:
-        return SamplingParams(**kwargs)
+        sp = SamplingParams(**kwargs)
+        if n > 1 and sp.sampling_type != SamplingType.GREEDY:
+            sp = SamplingParams(**kwargs, n=n)
     except Exception as e:  # vLLM's VLLMValidationError is not a ValueError
-        raise ValueError(f"invalid sampling_params {dict(params)!r}: {e}") from e
+        more = f" with n={n}" if n > 1 else ""
+        raise ValueError(f"invalid sampling_params {dict(params)!r}{more}: {e}") from e
+    return sp
 
 
 def _check_value_types(kwargs: Mapping[str, Any]) -> None:

@@ -2,7 +2,7 @@
 
 `vllm_server_actor(config, cpus=..., **ray_options)` starts a replica as an async Ray actor
 (the engine and its worker processes live in the actor's process tree, confined to `cpus`).
-`RemoteRolloutServer` turns the actor handle back into the `RolloutServer` / `SyncTarget`
+`RemoteRolloutServer` turns the actor handle back into the `GroupRolloutServer` / `SyncTarget`
 protocols (async methods awaiting ObjectRefs, `weight_version` as a property), which is what
 the CheckpointEngineManager expects; the PartialRolloutClient takes either. Its `generate`
 calls travel batched (`_batching.py`): one Ray message per event-loop tick, results back on
@@ -39,7 +39,7 @@ def vllm_server_actor(config: Any, *, cpus: Sequence[int] | None = None, **ray_o
 
 
 class RemoteRolloutServer:
-    """A Ray actor handle of `VLLMRolloutServer` seen as a local `RolloutServer` and
+    """A Ray actor handle of `VLLMRolloutServer` seen as a local `GroupRolloutServer` and
     `SyncTarget` (what `CheckpointEngineManager` and `PartialRolloutClient` take)."""
 
     def __init__(
@@ -74,6 +74,16 @@ class RemoteRolloutServer:
             out = await self.handle.generate.remote(request_id, prompt_ids, dict(sampling_params))
         self._weight_version = out.weight_version
         return out
+
+    async def generate_group(
+        self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any], n: int
+    ) -> list[TokenOutput]:
+        outs = await self.handle.generate_group.remote(
+            request_id, prompt_ids, dict(sampling_params), n
+        )
+        if outs:
+            self._weight_version = outs[-1].weight_version
+        return outs
 
     async def abort_all(self) -> None:
         await self.handle.abort_all.remote()

@@ -1,7 +1,8 @@
-"""One vLLM engine replica as an offbeat `RolloutServer` and ckpt-engine `SyncTarget`.
+"""One vLLM engine replica as an offbeat `GroupRolloutServer` and ckpt-engine `SyncTarget`.
 
 A plain class over vLLM's v1 `AsyncLLM` (the Ray actor is a one-function shell around it,
 see `actor.py`). Token ids in, token ids + per-token log-probs out; nothing is detokenised.
+`generate_group` samples a GRPO group as one vLLM request with `n` samples.
 It knows nothing about the balancer, the client's resume logic or how weights travel: a
 weight update runs the checkpoint engine's receiver inside vLLM's worker process through
 `WeightSyncExtension` and only then advances `weight_version`.
@@ -70,7 +71,8 @@ class VLLMServerConfig:
 
 
 class VLLMRolloutServer:
-    """A vLLM engine replica: `generate`, pause/resume, KV/sleep control, weight sync."""
+    """A vLLM engine replica: `generate`, `generate_group`, pause/resume, KV/sleep control,
+    weight sync."""
 
     def __init__(self, config: VLLMServerConfig | None = None, /, **kwargs: Any) -> None:
         if config is None:
@@ -186,7 +188,43 @@ class VLLMRolloutServer:
         `stop_reason="aborted"` with the tokens produced so far if `abort_all()` interrupts
         it. Bad input raises ValueError before the engine sees it."""
         ids = self._check_prompt(prompt_ids)
-        sp = to_sampling_params(sampling_params)
+        out, version = await self._run(request_id, ids, to_sampling_params(sampling_params))
+        return self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
+
+    async def generate_group(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling_params: Mapping[str, Any],
+        n: int,
+    ) -> list[TokenOutput]:
+        """Generate `n` sequences of one prompt in one vLLM request (`SamplingParams.n`:
+        one shared prompt, sample `i` seeded `seed + i` when a seed is given). Returns them
+        in sample order. `abort_all()` returns every sample as it stands: finished ones
+        keep "stop"/"length", the others are "aborted" with their tokens so far. Greedy
+        params (vLLM refuses `n > 1` for them) run as `n` requests `<request_id>-<i>`."""
+        ids = self._check_prompt(prompt_ids)
+        sp = to_sampling_params(sampling_params, n)
+        if sp.n != n:
+            runs = await asyncio.gather(
+                *(self._run(f"{request_id}-{i}", ids, sp) for i in range(n))
+            )
+            return [
+                self._to_token_output(o.request_id, o.outputs[0], o.metrics, v) for o, v in runs
+            ]
+        out, version = await self._run(request_id, ids, sp)
+        comps = sorted(out.outputs, key=lambda c: c.index)
+        if [c.index for c in comps] != list(range(n)):
+            raise RuntimeError(
+                f"vLLM returned samples {[c.index for c in comps]} for request "
+                f"{out.request_id} with n={n}"
+            )
+        # vLLM's final output of a group carries the stats of one sample only.
+        return [self._to_token_output(out.request_id, c, None, version) for c in comps]
+
+    async def _run(self, request_id: str, ids: list[int], sp: Any) -> tuple[Any, int]:
+        """One vLLM request through the gate to its final output; returns that output and
+        the weight version it started on."""
         while not self._running.is_set():
             await self._running.wait()
         if self._broken is not None:
@@ -207,6 +245,7 @@ class VLLMRolloutServer:
             if epoch != self._abort_epoch:
                 # abort_all() ran while the request was being added: vLLM's pause did not
                 # see it, so abort it here rather than let it sit queued until resume().
+                # (The id is the external one: for n > 1 it aborts every sample.)
                 await self.engine.abort(internal_id)
             out = None
             while out is None or not out.finished:
@@ -221,20 +260,19 @@ class VLLMRolloutServer:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-        return self._to_token_output(out, version)
+        return out, version
 
-    def _to_token_output(self, out: Any, version: int) -> TokenOutput:
-        comp = out.outputs[0]
+    def _to_token_output(self, vllm_id: str, comp: Any, metrics: Any, version: int) -> TokenOutput:
         token_ids = list(comp.token_ids)
         stop = _FINISH_TO_STOP.get(comp.finish_reason)
         if stop is None:
             raise RuntimeError(
-                f"vLLM finished request {out.request_id} with finish_reason={comp.finish_reason!r}"
+                f"vLLM finished request {vllm_id} with finish_reason={comp.finish_reason!r}"
             )
         lps = comp.logprobs or []
         logprobs = [float(lps[i][t].logprob) for i, t in enumerate(token_ids)]
         routed = comp.routed_experts
-        num_preempted = int(getattr(out.metrics, "num_preemptions", 0) or 0)
+        num_preempted = int(getattr(metrics, "num_preemptions", 0) or 0)
         return TokenOutput(
             token_ids=token_ids,
             logprobs=logprobs,

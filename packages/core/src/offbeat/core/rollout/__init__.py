@@ -2,13 +2,24 @@
 agent loop. Engines themselves live in offbeat-rollout-vllm / offbeat-rollout-sglang."""
 
 from offbeat.core.rollout.client import PartialRolloutClient, PartialRolloutConfig
-from offbeat.core.rollout.protocol import STOP_REASONS, RolloutServer, StopReason, TokenOutput
+from offbeat.core.rollout.protocol import (
+    STOP_REASONS,
+    GroupRolloutServer,
+    RolloutServer,
+    StopReason,
+    TokenOutput,
+    sample_params,
+    supports_group,
+)
 
 __all__ = [
     "STOP_REASONS",
+    "GroupRolloutServer",
     "PartialRolloutClient",
     "PartialRolloutConfig",
     "RolloutServer",
     "StopReason",
     "TokenOutput",
+    "sample_params",
+    "supports_group",
 ]

@@ -5,22 +5,27 @@ balancer, calls it, and releases the lease in `finally`. When the server answers
 "aborted" (a weight sync paused it) the client sends prompt + every token so far back to
 the balancer under the same request id (stickiness returns it to the same server unless
 that one left) with the remaining budget, until the answer is final. The agent loop sees
-one `TokenOutput`, as if nothing had happened. Each server call is a span on one of that
-server's lanes in the run's trace, if one is active (`offbeat.core.trace`).
+one `TokenOutput`, as if nothing had happened. `generate_group(..., n)` does the same for
+the `n` samples of one prompt: one lease and one group request (where the server has
+`generate_group`; else `n` requests under that lease), then each sample resumes on its
+own. Each server call is a span on one of that server's lanes in the run's trace, if one
+is active (`offbeat.core.trace`).
 
 Knows nothing about engines, weights or Ray beyond one thing: a server handle is either
-an object with `async generate(...)` or a Ray actor handle (`handle.generate.remote`).
+an object with `async generate(...)` (and maybe `generate_group(...)`) or a Ray actor
+handle (`handle.generate.remote`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from offbeat.core import trace
-from offbeat.core.rollout.protocol import TokenOutput
+from offbeat.core.rollout.protocol import TokenOutput, sample_params, supports_group
 
 __all__ = ["PartialRolloutClient", "PartialRolloutConfig"]
 
@@ -66,12 +71,83 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+class _Sample:
+    """One response assembled from the attempts that produced it.
+
+    `min_weight_version` / `max_weight_version` bound the versions that produced the kept
+    tokens: the min of the first attempt that kept a token and the max of the last one
+    that did. An attempt aborted before its first token (queued, or paused at the gate,
+    during a sync) produced nothing and bounds nothing. A response with no token at all
+    takes both from the last attempt, the weights that ended it.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.routed: list[Any] | None = None
+        self.num_preempted = 0
+        self.servers: list[str] = []
+        self.first: TokenOutput | None = None
+        self.last: TokenOutput | None = None
+        self.first_kept: TokenOutput | None = None
+        self.last_kept: TokenOutput | None = None
+        self.stop: str | None = None  # set once final
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.tokens)
+
+    def check_attempts(self, request_id: str, max_attempts: int | None) -> None:
+        if max_attempts is not None and len(self.servers) >= max_attempts:
+            raise RuntimeError(
+                f"request {request_id!r}: still aborted after {len(self.servers)} attempts "
+                f"(PartialRolloutConfig.max_attempts={max_attempts}); "
+                f"{len(self.tokens)}/{self.budget} tokens generated"
+            )
+
+    def add(self, out: TokenOutput, server_id: str) -> None:
+        """Keep what one attempt produced (cut back to the budget if it overshot)."""
+        remaining = self.remaining
+        self.servers.append(server_id)
+        first_attempt = self.first is None
+        self.first = self.first or out
+        self.last = out
+        n_new = min(len(out.token_ids), remaining)
+        if n_new > 0:
+            self.first_kept = self.first_kept or out
+            self.last_kept = out
+        self.tokens.extend(out.token_ids[:n_new])
+        self.logprobs.extend(out.logprobs[:n_new])
+        self.routed = _extend_routed(self.routed, out, n_new, first_attempt=first_attempt)
+        self.num_preempted += out.num_preempted
+        if out.stop_reason != "aborted":
+            self.stop = "length" if n_new < len(out.token_ids) else out.stop_reason
+        elif n_new >= remaining:  # aborted, but the budget is spent
+            self.stop = "length"
+
+    def result(self) -> TokenOutput:
+        assert self.stop is not None and self.first is not None and self.last is not None
+        return TokenOutput(
+            token_ids=self.tokens,
+            logprobs=self.logprobs,
+            stop_reason=self.stop,  # type: ignore[arg-type]
+            weight_version=self.last.weight_version,
+            min_weight_version=(self.first_kept or self.last).min_weight_version,
+            max_weight_version=(self.last_kept or self.last).max_weight_version,
+            num_preempted=self.num_preempted,
+            routed_experts=self.routed,
+            extra={"num_attempts": len(self.servers), "server_ids": self.servers},
+        )
+
+
 class PartialRolloutClient:
     """Generate through a balancer, resuming transparently after "aborted" answers.
 
     `balancer` is an `offbeat.balancer.aio.AsyncLoadBalancer` (or anything with an
     `acquire(request_id, *, group_id, prompt_ids, timeout)` returning a lease with
-    `.handle` and `.server_id`, and a `release(lease)`; either may be async).
+    `.handle` and `.server_id`, and a `release(lease)`; either may be async;
+    `generate_group` also passes `cost=<samples in the request>`).
     """
 
     def __init__(self, balancer: Any, config: PartialRolloutConfig | None = None) -> None:
@@ -83,6 +159,79 @@ class PartialRolloutClient:
         if hasattr(generate, "remote"):  # a Ray actor handle
             return await generate.remote(request_id, prompt, params)
         return await generate(request_id, prompt, params)
+
+    async def _call_group(
+        self, handle: Any, request_id: str, prompt: list[int], params: dict, indices: list[int]
+    ) -> list[TokenOutput]:
+        """The samples `indices` of group `request_id` on one server: one group request
+        where the server has one, else one request per sample (ids `<request_id>-<i>`)."""
+        if len(indices) > 1 and supports_group(handle):
+            generate_group = handle.generate_group
+            n = len(indices)
+            if hasattr(generate_group, "remote"):  # a Ray actor handle
+                outs = await generate_group.remote(request_id, prompt, params, n)
+            else:
+                outs = await generate_group(request_id, prompt, params, n)
+            if len(outs) != n:
+                raise RuntimeError(
+                    f"generate_group({request_id!r}, n={n}) returned {len(outs)} outputs"
+                )
+            return list(outs)
+        # vLLM's seed rule for n > 1, relative to the first sample of this call.
+        return list(
+            await asyncio.gather(
+                *(
+                    self._call(handle, f"{request_id}-{i}", prompt, sample_params(params, k))
+                    for k, i in enumerate(indices)
+                )
+            )
+        )
+
+    async def _acquire(self, key: str, group_id: Any, prompt: list[int], cost: int) -> Any:
+        # A group's lease costs its number of samples: the engine runs that many sequences.
+        more = {"cost": cost} if cost != 1 else {}
+        return await _maybe_await(
+            self.balancer.acquire(
+                key,
+                group_id=group_id,
+                prompt_ids=prompt,
+                timeout=self.config.acquire_timeout_s,
+                **more,
+            )
+        )
+
+    async def _resume(
+        self,
+        key: str,
+        request_id: str,
+        prompt: list[int],
+        base: dict[str, Any],
+        sample: _Sample,
+        group_id: Any,
+    ) -> TokenOutput:
+        """Call single requests until `sample` is final. `key` is the balancer's sticky key
+        (a group's samples share their group's), `request_id` the server's."""
+        while sample.stop is None:
+            sample.check_attempts(request_id, self.config.max_attempts)
+            full = prompt + sample.tokens
+            lease = await self._acquire(key, group_id, full, 1)
+            try:
+                # One lane per request in flight on this server, in the run's trace if any.
+                with trace.lane_span("generate", lease.server_id, request=request_id) as args:
+                    out = await self._call(
+                        lease.handle, request_id, full, {**base, "max_tokens": sample.remaining}
+                    )
+                    args.update(tokens=len(out.token_ids), stop=out.stop_reason)
+            finally:
+                await _maybe_await(self.balancer.release(lease))
+            sample.add(out, lease.server_id)
+        return sample.result()
+
+    def _base(self, sampling_params: Mapping[str, Any] | None) -> tuple[dict[str, Any], int]:
+        base = dict(sampling_params or {})
+        budget = _budget(base, self.config.max_tokens)
+        base.pop("max_new_tokens", None)
+        return base, budget
 
     async def generate(
         self,
@@ -96,86 +245,87 @@ class PartialRolloutClient:
 
         Never mutates `sampling_params`; never asks a server for more than the remaining
         budget (nor for a budget <= 0); `logprobs` and `routed_experts` stay aligned with
-        `token_ids`; `num_preempted` is summed; `weight_version` is the last attempt's.
-
-        `min_weight_version` / `max_weight_version` bound the versions that produced the
-        kept tokens: the min of the first attempt that kept a token and the max of the
-        last one that did. An attempt aborted before its first token (queued, or paused at
-        the gate, during a sync) produced nothing and bounds nothing. A response with no
-        token at all takes both from the last attempt, the weights that ended it.
+        `token_ids`; `num_preempted` is summed; `weight_version` is the last attempt's;
+        `min_weight_version` / `max_weight_version` come from the attempts that kept
+        tokens (see `_Sample`).
         """
-        base = dict(sampling_params or {})
-        budget = _budget(base, self.config.max_tokens)
-        base.pop("max_new_tokens", None)
-        prompt = list(prompt_ids)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        routed: list[Any] | None = None
-        num_preempted = 0
-        servers: list[str] = []
-        first: TokenOutput | None = None
-        last: TokenOutput | None = None
-        # The first and the last attempt that kept at least one token (version bounds).
-        first_kept: TokenOutput | None = None
-        last_kept: TokenOutput | None = None
-        stop = "length"
-        while True:
-            remaining = budget - len(tokens)
-            if remaining <= 0:
-                stop = "length"
-                break
-            if self.config.max_attempts is not None and len(servers) >= self.config.max_attempts:
-                raise RuntimeError(
-                    f"request {request_id!r}: still aborted after {len(servers)} attempts "
-                    f"(PartialRolloutConfig.max_attempts={self.config.max_attempts}); "
-                    f"{len(tokens)}/{budget} tokens generated"
-                )
-            full = prompt + tokens
-            lease = await _maybe_await(
-                self.balancer.acquire(
-                    request_id,
-                    group_id=group_id,
-                    prompt_ids=full,
-                    timeout=self.config.acquire_timeout_s,
-                )
+        base, budget = self._base(sampling_params)
+        return await self._resume(
+            request_id, request_id, list(prompt_ids), base, _Sample(budget), group_id
+        )
+
+    async def generate_group(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None,
+        n: int,
+        *,
+        group_id: Any = None,
+    ) -> list[TokenOutput]:
+        """`n` finished responses to `prompt_ids` (a GRPO group), in sample order.
+
+        One lease (cost `n`) and one group request while no sample has a token: the
+        server's `generate_group` where it has one, else `n` requests `<request_id>-<i>`
+        on the leased server. After an abort, finished samples stay finished and each
+        unfinished one resumes as its own request (`<request_id>-<i>`: prompt + its tokens
+        so far, its remaining budget) leased under `request_id` (sticky: back to the
+        group's server unless it left); if no unfinished sample has a token yet, they go
+        again as one group request. Each sample keeps `generate`'s guarantees: budget,
+        alignment, untouched `sampling_params`, version bounds and `max_attempts`.
+        A per-request `seed` gives sample `i` the seed `seed + i` (`sample_params`).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"generate_group n={n!r}: expected an int >= 1")
+        base, budget = self._base(sampling_params)
+        if base.get("n") not in (None, 1):
+            raise ValueError(
+                f"sampling_params n={base['n']!r}: pass the group size as generate_group's n"
             )
-            try:
-                # One lane per request in flight on this server, in the run's trace if any.
-                with trace.lane_span("generate", lease.server_id, request=request_id) as args:
-                    out = await self._call(
-                        lease.handle, request_id, full, {**base, "max_tokens": remaining}
+        base.pop("n", None)
+        prompt = list(prompt_ids)
+        samples = [_Sample(budget) for _ in range(n)]
+        while True:
+            pending = [i for i, s in enumerate(samples) if s.stop is None]
+            if not pending:
+                break
+            # A seeded group request gives its samples consecutive seeds, so only a
+            # contiguous run of samples can go as one (each keeps seed + its index).
+            contiguous = pending[-1] - pending[0] == len(pending) - 1
+            fresh = not any(samples[i].tokens for i in pending)
+            if not fresh or (base.get("seed") is not None and not contiguous):
+                await asyncio.gather(
+                    *(
+                        self._resume(
+                            request_id,
+                            f"{request_id}-{i}",
+                            prompt,
+                            sample_params(base, i),
+                            samples[i],
+                            group_id,
+                        )
+                        for i in pending
                     )
-                    args.update(tokens=len(out.token_ids), stop=out.stop_reason)
+                )
+                break
+            for i in pending:
+                samples[i].check_attempts(f"{request_id}-{i}", self.config.max_attempts)
+            params = {**sample_params(base, pending[0]), "max_tokens": budget}
+            lease = await self._acquire(request_id, group_id, prompt, len(pending))
+            try:
+                with trace.lane_span(
+                    "generate", lease.server_id, request=request_id, n=len(pending)
+                ) as args:
+                    outs = await self._call_group(lease.handle, request_id, prompt, params, pending)
+                    args.update(
+                        tokens=sum(len(o.token_ids) for o in outs),
+                        stop=",".join(sorted({o.stop_reason for o in outs})),
+                    )
             finally:
                 await _maybe_await(self.balancer.release(lease))
-            servers.append(lease.server_id)
-            if first is None:
-                first = out
-            last = out
-            # A server that overshoots the budget is cut back to it.
-            n_new = min(len(out.token_ids), remaining)
-            if n_new > 0:
-                first_kept = first_kept or out
-                last_kept = out
-            tokens.extend(out.token_ids[:n_new])
-            logprobs.extend(out.logprobs[:n_new])
-            routed = _extend_routed(routed, out, n_new, first_attempt=out is first)
-            num_preempted += out.num_preempted
-            if out.stop_reason != "aborted":
-                stop = "length" if n_new < len(out.token_ids) else out.stop_reason
-                break
-        assert first is not None and last is not None
-        return TokenOutput(
-            token_ids=tokens,
-            logprobs=logprobs,
-            stop_reason=stop,
-            weight_version=last.weight_version,
-            min_weight_version=(first_kept or last).min_weight_version,
-            max_weight_version=(last_kept or last).max_weight_version,
-            num_preempted=num_preempted,
-            routed_experts=routed,
-            extra={"num_attempts": len(servers), "server_ids": servers},
-        )
+            for i, out in zip(pending, outs, strict=True):
+                samples[i].add(out, lease.server_id)
+        return [s.result() for s in samples]
 
 
 def _extend_routed(

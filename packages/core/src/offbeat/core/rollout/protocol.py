@@ -1,12 +1,14 @@
 """The contract between offbeat and a rollout engine replica.
 
 Knows nothing about any engine: token ids in, token ids + log-probs out. Adapters
-(offbeat.rollout_vllm, offbeat.rollout_sglang) implement `RolloutServer`; the
-PartialRolloutClient and the trainer only ever talk to this protocol.
+(offbeat.rollout_vllm, offbeat.rollout_sglang) implement `RolloutServer`, and
+`GroupRolloutServer` where the engine samples a group in one request; the
+PartialRolloutClient and the trainer only ever talk to these protocols.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -80,3 +82,38 @@ class RolloutServer(Protocol):
     async def sleep(self, level: int = 1) -> None: ...
 
     async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+
+@runtime_checkable
+class GroupRolloutServer(RolloutServer, Protocol):
+    """A `RolloutServer` that samples `n` responses to one prompt in one request (vLLM's
+    `n`: one prefill, one shared prefix), e.g. a GRPO group. Optional: a client falls back
+    to `n` `generate` calls on servers without it (`supports_group`).
+
+    `generate_group` returns `n` TokenOutputs in sample order, each with its own tokens,
+    log-probs, stop_reason and weight versions. `abort_all()` makes it return at once with
+    every sample as it stands: finished samples keep their "stop" / "length", the others
+    are "aborted" with the tokens they produced so far (possibly none). Sample `i` uses
+    `sample_params(sampling_params, i)`.
+    """
+
+    async def generate_group(
+        self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any], n: int
+    ) -> list[TokenOutput]: ...
+
+
+def supports_group(server: Any) -> bool:
+    """Whether `server` (a RolloutServer or a Ray actor handle of one) has
+    `generate_group`."""
+    method = getattr(server, "generate_group", None)
+    return method is not None and (callable(method) or hasattr(method, "remote"))
+
+
+def sample_params(params: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """The sampling params of sample `index` of a group, as vLLM derives them for `n > 1`:
+    a per-request `seed` becomes `seed + index` (seeded samples differ from each other and
+    stay reproducible); without a seed, the params as given. Returns a new dict."""
+    out = dict(params)
+    if out.get("seed") is not None:
+        out["seed"] = int(out["seed"]) + index
+    return out

@@ -2,7 +2,9 @@
 
 Knows nothing about engines, balancers or weight syncs: it calls any client with an async
 `generate(request_id, prompt_ids, sampling_params) -> TokenOutput` (the
-PartialRolloutClient, which hides interruptions) and a `RewardRegistry`. It never lets a
+PartialRolloutClient, which hides interruptions), and for `n > 1` its
+`generate_group(request_id, prompt_ids, sampling_params, n) -> list[TokenOutput]` where the
+client has one (one request per group), and a `RewardRegistry`. It never lets a
 reward or engine error escape as anything but `GroupFailed`, which the rollout driver
 turns into a failed (evicted, counted, refilled) group. Its CPU work (chat template and
 tokenisation of the prompt, detokenisation and scoring of a group's responses) runs in a
@@ -21,6 +23,7 @@ from typing import Any
 
 from offbeat.core.data import Trajectory
 from offbeat.core.rewards import RewardError, RewardRegistry
+from offbeat.core.rollout.protocol import sample_params
 from offbeat.core.tasks.rows import reward_fields
 
 logger = logging.getLogger(__name__)
@@ -89,11 +92,11 @@ class SingleTurnAgentLoop:
             )
         return ids
 
-    async def _generate(self, request_id: str, prompt_ids: list[int], sampling: dict[str, Any]):
+    async def _retrying(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
         attempt = 0
         while True:
             try:
-                return await self.client.generate(request_id, prompt_ids, dict(sampling))
+                return await call()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -106,6 +109,31 @@ class SingleTurnAgentLoop:
                         f"generate({request_id}) failed: {type(e).__name__}: {e}"
                     ) from e
                 logger.warning("generate(%s) failed (%s); retrying elsewhere", request_id, e)
+
+    async def _generate(self, request_id: str, prompt_ids: list[int], sampling: dict[str, Any]):
+        return await self._retrying(
+            request_id, lambda: self.client.generate(request_id, prompt_ids, dict(sampling))
+        )
+
+    async def _generate_n(
+        self, uid: str, prompt_ids: list[int], sampling: dict[str, Any], n: int
+    ) -> list[Any]:
+        """`n` responses: one group request where the client has `generate_group` (an
+        engine error retries the whole group), else `n` requests `<uid>-<i>` (each retried
+        alone). Sample `i` of a seeded request is seeded `seed + i` either way."""
+        group = getattr(self.client, "generate_group", None)
+        if n > 1 and group is not None:
+            return list(
+                await self._retrying(uid, lambda: group(uid, prompt_ids, dict(sampling), n))
+            )
+        return list(
+            await asyncio.gather(
+                *(
+                    self._generate(f"{uid}-{i}", prompt_ids, sample_params(sampling, i))
+                    for i in range(n)
+                )
+            )
+        )
 
     async def sample(
         self, uid: str, row: Mapping[str, Any], n: int, sampling: Mapping[str, Any] | None = None
@@ -121,9 +149,7 @@ class SingleTurnAgentLoop:
         # a null override means "not set".
         overrides = {k: v for k, v in (row.get("sampling") or {}).items() if v is not None}
         params = {**self.sampling, **overrides, **(sampling or {})}
-        outs = await asyncio.gather(
-            *(self._generate(f"{uid}-{i}", prompt_ids, params) for i in range(n))
-        )
+        outs = await self._generate_n(uid, prompt_ids, params, n)
         source, truth, extra_info = reward_fields(row)  # offbeat's or verl's row layout
         rewards = await self._off_loop(self._score, source, truth, outs, extra_info)
         return [

@@ -1,0 +1,273 @@
+"""One request per GRPO group against one request per sample: rollout tokens/s, same
+engine, same prompts, same run.
+
+The default job's setup (`offbeat run separate_async`, no overrides): its tiny model, its
+engine arguments and replica environment, its task's prompts through the chat template,
+its sampling params (T=1, n=8) and its concurrency (`runtime.max_concurrent_groups`
+groups in flight). Only `max_tokens` varies (the job's 4, and longer). Two paths, each
+with its own engine:
+
+- engine-direct: `VLLMRolloutServer` in this process; per-sample = n `generate` calls per
+  group, group = one `generate_group(n)` (vLLM's `SamplingParams.n`);
+- job path: the replica as the job starts it (Ray actor, `vllm_replica`) behind
+  `AsyncLoadBalancer` + `PartialRolloutClient`; per-sample = n `client.generate` (what
+  the agent loop sent before group requests), group = `client.generate_group`.
+
+Runs alternate (per-sample then group, group then per-sample, ...) after a warm-up, so a
+load change on this shared machine hits both alike; each run records the 1-minute load
+average. The table gives medians of tokens/s, the median of the paired ratios, the CPU
+time this process and the replica's processes spent per 1k tokens (the figure least
+disturbed by other load), and the load. "trainer busy" repeats the job path with a thread
+computing on the trainer's core, in this process, as the job's trainer does.
+
+    uv run --frozen --no-sync python benchmarks/rollout_group_requests.py \
+        [--repeats 7] [--max-tokens 4 16] [--paths direct ray ray-busy] [-- key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+class CpuMeter:
+    """CPU seconds used by this process (minus threads in `exclude`: the busy trainer's)
+    and by the process trees rooted at `pids` (a replica: its actor, engine core, worker).
+    On a shared machine this is the figure least disturbed by other load."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = [os.getpid()]
+        self.exclude: set[int] = set()
+
+    def read(self) -> float:
+        import psutil
+
+        total = 0.0
+        seen: set[int] = set()
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for pr in procs:
+                if pr.pid in seen:
+                    continue
+                seen.add(pr.pid)
+                try:
+                    if pr.pid == os.getpid():
+                        total += sum(t.user_time + t.system_time for t in pr.threads()
+                                     if t.id not in self.exclude)  # fmt: skip
+                    else:
+                        c = pr.cpu_times()
+                        total += c.user + c.system
+                except psutil.Error:
+                    pass
+        return total
+
+
+async def timed(make_calls, cpu: CpuMeter) -> dict[str, float]:
+    """One run: tokens/s, CPU ms per 1k tokens, the 1-minute load average at its start."""
+    load = float(loadavg())
+    c0, t0 = cpu.read(), time.perf_counter()
+    outs = await make_calls()
+    dt, used = time.perf_counter() - t0, cpu.read() - c0
+    n = sum(len(o.token_ids) for group in outs for o in group)
+    return {"tps": n / dt, "cpu": 1e6 * used / n, "load": load}
+
+
+async def measure(name, per_sample, group, args, results, cpu: CpuMeter) -> None:
+    """Interleaved runs of both modes at every max_tokens; appends to `results`."""
+    for mt in args.max_tokens:  # warm-up (first requests, caches, Ray's worker pool)
+        await per_sample(mt, f"{name}-warm-s{mt}")
+        await group(mt, f"{name}-warm-g{mt}")
+    for r in range(args.repeats):
+        for mt in args.max_tokens:
+            pair = [("per-sample", per_sample), ("group", group)]
+            for mode, fn in pair if r % 2 == 0 else pair[::-1]:
+                tag = f"{name}{r}{mode}{mt}"
+                run = await timed(lambda fn=fn, mt=mt, tag=tag: fn(mt, tag), cpu)
+                results.setdefault((name, mt), {}).setdefault(mode, []).append(run)
+                print(
+                    f"  {name:<8} max_tokens={mt:<3} {mode:<10} {run['tps']:6.0f} tok/s "
+                    f"{run['cpu']:5.0f} CPU ms/1k tok  load {run['load']}"
+                )
+
+
+@contextmanager
+def busy_trainer(threads: int):
+    """A thread in this process computing like the trainer does, on the trainer's cores
+    (inherited from `pin_trainer`): the job's client shares the process and the core with
+    training."""
+    import torch
+
+    stop = threading.Event()
+    ids: list[int] = []
+
+    def train() -> None:
+        ids.append(threading.get_native_id())
+        torch.set_num_threads(threads)
+        a = torch.randn(512, 512)
+        while not stop.is_set():
+            a = torch.tanh(a @ a)
+
+    t = threading.Thread(target=train, name="busy-trainer", daemon=True)
+    t.start()
+    while not ids:
+        time.sleep(0.001)
+    try:
+        yield ids[0]
+    finally:
+        stop.set()
+        t.join()
+
+
+def calls(submit_sample, submit_group, prompts, params, n, in_flight):
+    """The two modes as functions of (max_tokens, tag): every prompt once, at most
+    `in_flight` groups at a time (the job's rollout driver keeps that many running)."""
+
+    async def run_groups(one_group):
+        gate = asyncio.Semaphore(in_flight)
+
+        async def gated(g, prompt):
+            async with gate:
+                return await one_group(g, prompt)
+
+        return await asyncio.gather(*(gated(g, pr) for g, pr in enumerate(prompts)))
+
+    async def per_sample(mt, tag):
+        p = {**params, "max_tokens": mt}
+
+        async def one_group(g, prompt):
+            return await asyncio.gather(
+                *(submit_sample(f"{tag}-{g}-{i}", prompt, p) for i in range(n))
+            )
+
+        return await run_groups(one_group)
+
+    async def group(mt, tag):
+        p = {**params, "max_tokens": mt}
+        return await run_groups(lambda g, prompt: submit_group(f"{tag}-{g}", prompt, p, n))
+
+    return per_sample, group
+
+
+async def main(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from offbeat.balancer.aio import AsyncLoadBalancer
+    from offbeat.core.cli import load_recipe_config
+    from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+    from offbeat.core.tasks import make_rows
+    from offbeat.core.trainer.agent_loop import encode_prompt
+    from offbeat.core.trainer.job import base_sampling, init_ray, pin_trainer, resolve_model
+    from offbeat.rollout_vllm.replica import engine_kwargs_of, vllm_replica
+    from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig
+
+    _, cfg = load_recipe_config("separate_async", args.overrides)
+    cache = Path(tempfile.gettempdir()) / "offbeat-bench-models"
+    model = resolve_model(cfg.model.path, cache)
+    tok = AutoTokenizer.from_pretrained(str(model))
+    t = cfg.task
+    in_flight = cfg.runtime.max_concurrent_groups
+    rows = make_rows(t.name, args.groups, seed=t.seed, min_len=t.min_len, max_len=t.max_len)
+    prompts = [encode_prompt(tok, list(r["prompt"])) for r in rows]
+    params = base_sampling(cfg)
+    n = cfg.rollout.n
+    print(
+        f"model {cfg.model.path} ({model}), {len(prompts)} groups x n={n} per run, "
+        f"{in_flight} in flight, prompts "
+        f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, params {params}, "
+        f"engine {engine_kwargs_of(cfg)}, env {dict(cfg.runtime.rollout_env)}"
+    )
+    print(f"load average at start: {Path('/proc/loadavg').read_text().strip()}")
+    results: dict = {}
+    cpu = CpuMeter()
+
+    if "direct" in args.paths:
+        saved = dict(os.environ)
+        os.environ.update(cfg.runtime.rollout_env)  # the replica's environment
+        server = VLLMRolloutServer(
+            VLLMServerConfig(model=str(model), engine_kwargs=engine_kwargs_of(cfg))
+        )
+        os.environ.clear()
+        os.environ.update(saved)
+        try:
+            await measure("direct", *calls(server.generate, server.generate_group, prompts,
+                                           params, n, in_flight), args, results, cpu)  # fmt: skip
+        finally:
+            server.shutdown()
+
+    if {"ray", "ray-busy"} & set(args.paths):
+        import ray
+
+        init_ray(cfg.runtime)
+        pin_trainer(cfg.runtime)  # the client runs where the job runs it: the trainer's cores
+        proxy = vllm_replica(cfg, str(model), 0)
+        await proxy.refresh()
+        cpu.pids.append(await proxy.handle.__ray_call__.remote(lambda self: os.getpid()))
+        client = PartialRolloutClient(
+            AsyncLoadBalancer({"rollout-0": proxy}), PartialRolloutConfig(max_tokens=64)
+        )
+        modes = calls(client.generate, client.generate_group, prompts, params, n, in_flight)
+        try:
+            if "ray" in args.paths:
+                await measure("ray", *modes, args, results, cpu)
+            if "ray-busy" in args.paths:
+                with busy_trainer(cfg.runtime.trainer_threads) as busy_thread:
+                    cpu.exclude.add(busy_thread)
+                    await measure("ray-busy", *modes, args, results, cpu)
+        finally:
+            ray.shutdown()
+
+    med = statistics.median
+    print(
+        f"\nmedian of {args.repeats} interleaved runs; {len(prompts)} groups x n={n} per run, "
+        f"{in_flight} in flight; {os.cpu_count()} CPUs shared with other work. CPU: this "
+        "process (the client) + the replica's processes, per 1k generated tokens"
+    )
+    print(
+        f"{'path':<26}{'max_tok':>8}{'per-sample':>11}{'group':>8}{'ratio':>7}"
+        f"{'CPU ms/1k: per-sample':>23}{'group':>7}{'ratio':>7}{'load min-max':>14}"
+    )
+    labels = {"direct": "engine-direct", "ray": "Ray actor + client (job)",
+              "ray-busy": "  same, trainer busy"}  # fmt: skip
+    for (name, mt), modes in results.items():
+        a, b = modes["per-sample"], modes["group"]
+        # Run r of each mode are neighbours in time: pair them.
+        ratios = [g["tps"] / s["tps"] for s, g in zip(a, b, strict=True)]
+        cpu_ratios = [s["cpu"] / g["cpu"] for s, g in zip(a, b, strict=True)]
+        loads = [x["load"] for x in a + b]
+        print(
+            f"{labels[name]:<26}{mt:>8}{med(x['tps'] for x in a):>11.0f}"
+            f"{med(x['tps'] for x in b):>8.0f}{med(ratios):>6.2f}x"
+            f"{med(x['cpu'] for x in a):>23.0f}{med(x['cpu'] for x in b):>7.0f}"
+            f"{med(cpu_ratios):>6.2f}x{min(loads):>7.1f}-{max(loads):<6.1f}"
+        )
+        print(f"{'':<26}paired tokens/s ratios: " + ", ".join(f"{x:.2f}" for x in ratios))
+    print(f"load average at end: {Path('/proc/loadavg').read_text().strip()}")
+    print("target: group tokens/s >= 1.5x per-sample for n=8 with short responses")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--max-tokens", type=int, nargs="+", default=[4, 16])
+    ap.add_argument("--groups", type=int, default=192, help="groups (prompts) per run")
+    ap.add_argument(
+        "--paths", nargs="+", default=["direct", "ray", "ray-busy"],
+        choices=["direct", "ray", "ray-busy"],
+    )  # fmt: skip
+    ap.add_argument("overrides", nargs="*", help="job config overrides (key=value)")
+    asyncio.run(main(ap.parse_args()))
