@@ -46,6 +46,20 @@ def spin_cores(cpus: list[int]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", SPIN, ",".join(map(str, cpus))])
 
 
+def run_child(script: str, argv: list[str], path: str) -> Any:
+    """Run `script argv` for one path in a fresh interpreter (its own Ray, nothing pinned
+    yet) with `--paths path --child FILE`; return the JSON it wrote to FILE."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, script, *argv, "--paths", path, "--child", out]
+        subprocess.run(cmd, check=True)
+        with open(out) as f:
+            return json.load(f)
+
+
 def loadavg() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -175,6 +189,34 @@ class _Counted:
         finally:
             self.load.inflight -= 1
             self.load.completed += 1
+
+
+class GcPauses:
+    """Durations of this process's garbage collections, by generation, since `take()`."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+        self._gc = gc
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def start(self) -> None:
+        self._gc.callbacks.append(self._callback)
+
+    def take(self) -> float:
+        """Longest collection since the last take."""
+        pauses, self.pauses = self.pauses, []
+        return max((s for _, s in pauses), default=0.0)
+
+    def stop(self) -> None:
+        self._gc.callbacks.remove(self._callback)
 
 
 class LoopLag:

@@ -177,7 +177,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def job_path(path: str, args: argparse.Namespace) -> dict:
-    from job_common import OLD_PATH_OVERRIDES, JobLoad, LoopLag, loadavg, spin_cores
+    """One run of one path in this process: `--warmup-syncs` unmeasured syncs, then
+    `--syncs` measured ones."""
+    from job_common import OLD_PATH_OVERRIDES, GcPauses, JobLoad, LoopLag, loadavg, spin_cores
 
     from offbeat.core.cli import load_recipe_config
 
@@ -188,105 +190,116 @@ async def job_path(path: str, args: argparse.Namespace) -> dict:
         overrides += OLD_PATH_OVERRIDES
     _, cfg = load_recipe_config("separate_async", overrides)
     sampling = {"ignore_eos": True} if args.max_tokens else {}
-    out: dict = {"path": path, "runs": [], "load": []}
+    out: dict = {"path": path, "rows": [], "load": []}
     async with JobLoad(cfg, old_path=path == "old", sampling=sampling) as job:
         spinner = spin_cores(list(cfg.runtime.trainer_cpus)) if not args.idle_trainer else None
-        lag = LoopLag()
+        lag, gcp = LoopLag(), GcPauses()
         lag.start()
+        gcp.start()
         try:
             job.start_rollout()
-            for _ in range(args.runs):
-                out["load"].append(loadavg())
-                rows = []
-                for _ in range(args.syncs):
-                    await asyncio.sleep(args.interval)
-                    job.check()
-                    inflight = job.inflight
-                    lag.take()
-                    sync_s, result = await job.sync()
-                    status = (await job.server_status())[0]
-                    srv = status.get("last_abort") or {}
-                    rows.append(
+            for i in range(args.warmup_syncs + args.syncs):
+                if i == args.warmup_syncs:
+                    out["load"].append(loadavg())
+                await asyncio.sleep(args.interval)
+                job.check()
+                inflight = job.inflight
+                lag.take()
+                gcp.take()
+                sync_s, result = await job.sync()
+                gc_s = gcp.take()
+                status = (await job.server_status())[0]
+                srv = status.get("last_abort") or {}
+                if i >= args.warmup_syncs:
+                    out["rows"].append(
                         {
                             "abort": result.phase_s["abort"],
                             "sync": sync_s,
+                            "phases": result.phase_s,
                             "driver_inflight": inflight,
                             "server_inflight": srv.get("inflight", -1),
                             "pause": srv.get("pause_s", float("nan")),
                             "drain": srv.get("drain_s", float("nan")),
                             "lag": lag.take(),
+                            "gc": gc_s,
                         }
                     )
-                out["runs"].append(rows)
-                print(
-                    f"  {path}: run {len(out['runs'])}: abort p50/p99 "
-                    f"{1e3 * pct([r['abort'] for r in rows], 0.5):.0f}/"
-                    f"{1e3 * pct([r['abort'] for r in rows], 0.99):.0f} ms, load {loadavg()}",
-                    flush=True,
-                )
             out["load"].append(loadavg())
         finally:
             lag.stop()
+            gcp.stop()
             if spinner is not None:
                 spinner.kill()
     return out
 
 
-def job_report(results: list[dict], args: argparse.Namespace) -> None:
+def job_report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
     med = statistics.median
     print()
     print(
         f"Sync abort under the default job's load: {os.cpu_count()} CPUs shared with other "
-        f"work; {args.runs} runs x {args.syncs} syncs per path, one every {args.interval}s; "
+        f"work; per path {args.runs} runs (alternating paths, each on a fresh replica) x "
+        f"{args.syncs} syncs, one every {args.interval}s after {args.warmup_syncs} unmeasured; "
         f"trainer's cores {'idle' if args.idle_trainer else 'busy (matmul spinner)'}; "
         f"max_tokens {args.max_tokens or 'as configured'}"
-        f"{' (ignore_eos)' if args.max_tokens else ''}. ms, median over runs of each run's "
+        f"{' (ignore_eos)' if args.max_tokens else ''}. ms; median over runs of each run's "
         "p50 / p99."
     )
     print(
         "\n| path | abort p50 | abort p99 | sync p50 | sync p99 | in flight (driver / replica) "
-        "| replica pause / drain p50 | driver loop lag p99 | load avg (1/5/15 min) |"
+        "| replica pause / drain p50 | driver loop lag / GC p99 | load avg (1/5/15 min) per run |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for res in results:
-        runs = res["runs"]
+    for path, runs in results.items():
 
         def over_runs(key: str, q: float, runs=runs) -> float:
-            return 1e3 * med(pct([r[key] for r in rows], q) for rows in runs)
+            return 1e3 * med(pct([r[key] for r in run["rows"]], q) for run in runs)
 
-        allrows = [r for rows in runs for r in rows]
+        rows = [r for run in runs for r in run["rows"]]
+        loads = ", ".join(" -> ".join(run["load"]) for run in runs)
         print(
-            f"| {res['path']} | {over_runs('abort', 0.5):.0f} | {over_runs('abort', 0.99):.0f} "
+            f"| {path} | {over_runs('abort', 0.5):.0f} | {over_runs('abort', 0.99):.0f} "
             f"| {over_runs('sync', 0.5):.0f} | {over_runs('sync', 0.99):.0f} "
-            f"| {med(r['driver_inflight'] for r in allrows):.0f} / "
-            f"{med(r['server_inflight'] for r in allrows):.0f} "
+            f"| {med(r['driver_inflight'] for r in rows):.0f} / "
+            f"{med(r['server_inflight'] for r in rows):.0f} "
             f"| {over_runs('pause', 0.5):.0f} / {over_runs('drain', 0.5):.0f} "
-            f"| {over_runs('lag', 0.99):.0f} | {' -> '.join(res['load'])} |"
+            f"| {over_runs('lag', 0.99):.0f} / {over_runs('gc', 0.99):.0f} | {loads} |"
         )
     print("\nper run, abort p50 / p99 (ms):")
-    for res in results:
-        runs = ", ".join(
-            f"{1e3 * pct([r['abort'] for r in rows], 0.5):.0f}/"
-            f"{1e3 * pct([r['abort'] for r in rows], 0.99):.0f}"
-            for rows in res["runs"]
+    for path, runs in results.items():
+        each = ", ".join(
+            f"{1e3 * pct([r['abort'] for r in run['rows']], 0.5):.0f}/"
+            f"{1e3 * pct([r['abort'] for r in run['rows']], 0.99):.0f}"
+            for run in runs
         )
-        print(f"  {res['path']}: {runs}")
+        print(f"  {path}: {each}")
 
 
-async def job_main(args: argparse.Namespace) -> None:
+def job_main(args: argparse.Namespace) -> None:
     import json
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import ray
+    if args.child:  # one run of one path, for the parent below
+        out = asyncio.run(job_path(args.paths, args))
+        with open(args.child, "w") as f:
+            json.dump(out, f)
+        return
+    from job_common import run_child
 
-    cores = os.sched_getaffinity(0)
-    results = []
-    for path in args.paths.split(","):
-        # One path at a time, each on its own replica and Ray, from an unpinned driver.
-        results.append(await job_path(path, args))
-        ray.shutdown()
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), cores)
+    paths = args.paths.split(",")
+    results: dict[str, list[dict]] = {p: [] for p in paths}
+    for r in range(args.runs):
+        for path in paths:  # alternate, so that load drifts hit every path alike
+            run = run_child(__file__, sys.argv[1:], path)
+            results[path].append(run)
+            rows = run["rows"]
+            print(
+                f"  {path}: run {r + 1}: abort p50/p99 "
+                f"{1e3 * pct([x['abort'] for x in rows], 0.5):.0f}/"
+                f"{1e3 * pct([x['abort'] for x in rows], 0.99):.0f} ms, load "
+                f"{' -> '.join(run['load'])}",
+                flush=True,
+            )
     job_report(results, args)
     if args.json:
         with open(args.json, "w") as f:
@@ -302,6 +315,7 @@ if __name__ == "__main__":
     ap.add_argument("--paths", default="old,new", help="job mode: old, new or both")
     ap.add_argument("--runs", type=int, default=3, help="job mode: runs per path")
     ap.add_argument("--syncs", type=int, default=10, help="job mode: syncs per run")
+    ap.add_argument("--warmup-syncs", type=int, default=1, help="job mode: unmeasured first")
     ap.add_argument("--interval", type=float, default=1.0, help="job mode: s between syncs")
     ap.add_argument(
         "--max-tokens", type=int, default=48,
@@ -309,6 +323,10 @@ if __name__ == "__main__":
     )  # fmt: skip
     ap.add_argument("--idle-trainer", action="store_true", help="job mode: no spinner")
     ap.add_argument("--json", default="", help="job mode: also write the raw figures here")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="job mode: recipe config overrides")
     args = ap.parse_args()
-    asyncio.run(job_main(args) if args.job else main(args))
+    if args.job:
+        job_main(args)
+    else:
+        asyncio.run(main(args))

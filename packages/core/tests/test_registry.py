@@ -79,6 +79,20 @@ def test_entry_point_hook_registers_lazily(monkeypatch):
     assert reg.get("fancy") == "the fancy gadget" and calls == [1]
 
 
+def test_membership_of_a_registered_name_scans_no_entry_points(monkeypatch):
+    reg: Registry[str] = Registry("gadget", entry_point_group="test.gadgets")
+    reg.register("plain", "a plain gadget")
+    _fake_entry_points(monkeypatch, "test.gadgets", "fancy", "fake_gadget_plugin:register")
+    scans = []
+    real = registry_mod.entry_points
+    monkeypatch.setattr(
+        registry_mod, "entry_points", lambda group: scans.append(group) or real(group=group)
+    )
+    assert "plain" in reg and scans == []  # `in` runs per sample on hot paths
+    assert "fancy" in reg and scans == ["test.gadgets"]  # plugins are still found
+    assert "nothing" not in reg and 5 not in reg
+
+
 def test_entry_point_hook_errors_surface(monkeypatch):
     reg: Registry[str] = Registry("gadget", entry_point_group="test.gadgets")
     mod = types.ModuleType("fake_broken_plugin")
