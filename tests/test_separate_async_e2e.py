@@ -341,6 +341,7 @@ def test_verl_format_dataset_trains_with_its_data_source_scorers(world):
         cfg = config(
             tmp, "verl_format", "trainer.total_training_steps=2", "data.max_prompt_length=200",
             f"data.train_files=[{VERL_EXAMPLE}]", f"data.val_files=[{VERL_EXAMPLE}]",
+            "rollout.engine_kwargs.max_model_len=256",  # what the module's engines hold
         )  # fmt: skip
         summary = run(tmp, prepared, servers, cfg)
     finally:
