@@ -7,18 +7,22 @@ its sampling params (T=1, n=8) and its concurrency (`runtime.max_concurrent_grou
 groups in flight). Only `max_tokens` varies (the job's 4, and longer). Two paths, each
 with its own engine:
 
-- engine-direct: `VLLMRolloutServer` in this process; per-sample = n `generate` calls per
-  group, group = one `generate_group(n)` (vLLM's `SamplingParams.n`);
-- job path: the replica as the job starts it (Ray actor, `vllm_replica`) behind
-  `AsyncLoadBalancer` + `PartialRolloutClient`; per-sample = n `client.generate` (what
-  the agent loop sent before group requests), group = `client.generate_group`.
+- engine-direct: `VLLMRolloutServer` in this process (confined, with its engine, to the
+  replica's cores); per-sample = n `generate` calls per group, group = one
+  `generate_group(n)` (vLLM's `SamplingParams.n`);
+- job path: the replica as the job starts it (Ray actor, `vllm_replica`, on the replica's
+  cores) behind `AsyncLoadBalancer` + `PartialRolloutClient` in this process, pinned to
+  the trainer's cores as the job pins its driver; per-sample = n `client.generate` (what
+  the agent loop sent before group requests; batched on the wire), group =
+  `client.generate_group`.
 
 Runs alternate (per-sample then group, group then per-sample, ...) after a warm-up, so a
 load change on this shared machine hits both alike; each run records the 1-minute load
 average. The table gives medians of tokens/s, the median of the paired ratios, the CPU
 time this process and the replica's processes spent per 1k tokens (the figure least
-disturbed by other load), and the load. "trainer busy" repeats the job path with a thread
-computing on the trainer's core, in this process, as the job's trainer does.
+disturbed by other load), that of this process alone (the client: in the job it shares
+the trainer's core), and the load. `--paths ... ray-busy` repeats the job path with a
+thread computing on the trainer's core, in this process, as the job's trainer does.
 
     uv run --frozen --no-sync python benchmarks/rollout_group_requests.py \
         [--repeats 7] [--max-tokens 4 16] [--paths direct ray ray-busy] [-- key=value ...]
@@ -50,10 +54,11 @@ class CpuMeter:
         self.pids: list[int] = [os.getpid()]
         self.exclude: set[int] = set()
 
-    def read(self) -> float:
+    def read(self) -> tuple[float, float]:
+        """(all tracked processes, this process alone) in CPU seconds."""
         import psutil
 
-        total = 0.0
+        total = own = 0.0
         seen: set[int] = set()
         for pid in self.pids:
             try:
@@ -67,24 +72,27 @@ class CpuMeter:
                 seen.add(pr.pid)
                 try:
                     if pr.pid == os.getpid():
-                        total += sum(t.user_time + t.system_time for t in pr.threads()
-                                     if t.id not in self.exclude)  # fmt: skip
+                        own = sum(t.user_time + t.system_time for t in pr.threads()
+                                  if t.id not in self.exclude)  # fmt: skip
+                        total += own
                     else:
                         c = pr.cpu_times()
                         total += c.user + c.system
                 except psutil.Error:
                     pass
-        return total
+        return total, own
 
 
 async def timed(make_calls, cpu: CpuMeter) -> dict[str, float]:
-    """One run: tokens/s, CPU ms per 1k tokens, the 1-minute load average at its start."""
+    """One run: tokens/s, CPU ms per 1k tokens (all; the client's process alone), the
+    1-minute load average at its start."""
     load = float(loadavg())
-    c0, t0 = cpu.read(), time.perf_counter()
+    (c0, o0), t0 = cpu.read(), time.perf_counter()
     outs = await make_calls()
-    dt, used = time.perf_counter() - t0, cpu.read() - c0
+    dt, (c1, o1) = time.perf_counter() - t0, cpu.read()
     n = sum(len(o.token_ids) for group in outs for o in group)
-    return {"tps": n / dt, "cpu": 1e6 * used / n, "load": load}
+    return {"tps": n / dt, "cpu": 1e6 * (c1 - c0) / n, "client": 1e6 * (o1 - o0) / n,
+            "load": load}  # fmt: skip
 
 
 async def measure(name, per_sample, group, args, results, cpu: CpuMeter) -> None:
@@ -101,7 +109,8 @@ async def measure(name, per_sample, group, args, results, cpu: CpuMeter) -> None
                 results.setdefault((name, mt), {}).setdefault(mode, []).append(run)
                 print(
                     f"  {name:<8} max_tokens={mt:<3} {mode:<10} {run['tps']:6.0f} tok/s "
-                    f"{run['cpu']:5.0f} CPU ms/1k tok  load {run['load']}"
+                    f"{run['cpu']:5.0f} CPU ms/1k tok ({run['client']:4.0f} client)  "
+                    f"load {run['load']}"
                 )
 
 
@@ -168,11 +177,12 @@ async def main(args: argparse.Namespace) -> None:
 
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.cli import load_recipe_config
+    from offbeat.core.cpus import machine_cpus, pin_process
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.tasks import make_rows
     from offbeat.core.trainer.agent_loop import encode_prompt
     from offbeat.core.trainer.job import base_sampling, init_ray, pin_trainer, resolve_model
-    from offbeat.rollout_vllm.replica import engine_kwargs_of, vllm_replica
+    from offbeat.rollout_vllm.replica import engine_kwargs_of, replica_cpus, vllm_replica
     from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig
 
     _, cfg = load_recipe_config("separate_async", args.overrides)
@@ -189,15 +199,20 @@ async def main(args: argparse.Namespace) -> None:
         f"model {cfg.model.path} ({model}), {len(prompts)} groups x n={n} per run, "
         f"{in_flight} in flight, prompts "
         f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, params {params}, "
-        f"engine {engine_kwargs_of(cfg)}, env {dict(cfg.runtime.rollout_env)}"
+        f"engine {engine_kwargs_of(cfg)}, replica cores and env {replica_cpus(cfg, 0)}, "
+        f"trainer cores {list(cfg.runtime.trainer_cpus)}"
     )
     print(f"load average at start: {Path('/proc/loadavg').read_text().strip()}")
     results: dict = {}
     cpu = CpuMeter()
 
     if "direct" in args.paths:
+        # The replica's cores and environment, for this process and the engine it starts.
+        cores, env = replica_cpus(cfg, 0)
         saved = dict(os.environ)
-        os.environ.update(cfg.runtime.rollout_env)  # the replica's environment
+        os.environ.update(env)
+        if cores:
+            pin_process(cores)
         server = VLLMRolloutServer(
             VLLMServerConfig(model=str(model), engine_kwargs=engine_kwargs_of(cfg))
         )
@@ -208,6 +223,7 @@ async def main(args: argparse.Namespace) -> None:
                                            params, n, in_flight), args, results, cpu)  # fmt: skip
         finally:
             server.shutdown()
+            pin_process(machine_cpus())  # Ray, started next, keeps every core
 
     if {"ray", "ray-busy"} & set(args.paths):
         import ray
@@ -239,7 +255,8 @@ async def main(args: argparse.Namespace) -> None:
     )
     print(
         f"{'path':<26}{'max_tok':>8}{'per-sample':>11}{'group':>8}{'ratio':>7}"
-        f"{'CPU ms/1k: per-sample':>23}{'group':>7}{'ratio':>7}{'load min-max':>14}"
+        f"{'CPU ms/1k: per-sample':>23}{'group':>7}{'ratio':>7}"
+        f"{'client: per-sample':>20}{'group':>7}{'load min-max':>14}"
     )
     labels = {"direct": "engine-direct", "ray": "Ray actor + client (job)",
               "ray-busy": "  same, trainer busy"}  # fmt: skip
@@ -253,7 +270,8 @@ async def main(args: argparse.Namespace) -> None:
             f"{labels[name]:<26}{mt:>8}{med(x['tps'] for x in a):>11.0f}"
             f"{med(x['tps'] for x in b):>8.0f}{med(ratios):>6.2f}x"
             f"{med(x['cpu'] for x in a):>23.0f}{med(x['cpu'] for x in b):>7.0f}"
-            f"{med(cpu_ratios):>6.2f}x{min(loads):>7.1f}-{max(loads):<6.1f}"
+            f"{med(cpu_ratios):>6.2f}x{med(x['client'] for x in a):>20.0f}"
+            f"{med(x['client'] for x in b):>7.0f}{min(loads):>7.1f}-{max(loads):<6.1f}"
         )
         print(f"{'':<26}paired tokens/s ratios: " + ", ".join(f"{x:.2f}" for x in ratios))
     print(f"load average at end: {Path('/proc/loadavg').read_text().strip()}")
@@ -266,7 +284,7 @@ if __name__ == "__main__":
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--groups", type=int, default=192, help="groups (prompts) per run")
     ap.add_argument(
-        "--paths", nargs="+", default=["direct", "ray", "ray-busy"],
+        "--paths", nargs="+", default=["direct", "ray"],
         choices=["direct", "ray", "ray-busy"],
     )  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="job config overrides (key=value)")

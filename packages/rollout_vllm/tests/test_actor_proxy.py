@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from offbeat.ckpt_engine import ReceiveSpec, SyncTarget
 from offbeat.core.rollout import GroupRolloutServer, RolloutServer, TokenOutput, supports_group
 from offbeat.rollout_vllm import RemoteRolloutServer
@@ -34,7 +36,7 @@ class FakeActor:
     def __init__(self):
         self.calls = []
         self.version = 3
-        self.stream = GenerateStream(self._generate)
+        self.stream = GenerateStream(self._generate, self._generate_group)
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -128,15 +130,23 @@ async def test_kv_cache_calls_stop_once_the_replica_says_they_do_nothing():
     assert [name for name, _ in actor.calls] == ["release_kv_cache"]
 
 
-async def test_proxy_forwards_a_group_and_keeps_its_version():
+@pytest.mark.parametrize("batched", [True, False])
+async def test_proxy_forwards_a_group_and_keeps_its_version(batched):
     actor = FakeActor()
-    proxy = RemoteRolloutServer(actor, weight_version=0)
+    proxy = RemoteRolloutServer(actor, weight_version=0, batched=batched)
     assert isinstance(proxy, GroupRolloutServer) and supports_group(proxy)
     params = {"max_tokens": 2}
     outs = await proxy.generate_group("g", [5], params, 3)
     assert [o.token_ids for o in outs] == [[0], [1], [2]]
-    assert actor.calls == [("generate_group", ("g", [5], {"max_tokens": 2}, 3))]
-    assert actor.calls[0][1][2] is not params  # the actor gets its own copy
+    if batched:  # one call carrying n, on the batched path
+        assert [name for name, _ in actor.calls] == ["generate_results", "submit_generate"]
+        (_client, calls) = actor.calls[1][1]
+        assert [c[1:] for c in calls] == [("g", [5], {"max_tokens": 2}, 3)]
+        sent = calls[0][3]
+    else:
+        assert actor.calls == [("generate_group", ("g", [5], {"max_tokens": 2}, 3))]
+        sent = actor.calls[0][1][2]
+    assert sent == params and sent is not params  # the actor gets its own copy
     assert proxy.weight_version == 4
 
 

@@ -54,7 +54,7 @@ class FakeReplica:
         self.started: list[str] = []
         self.cancelled: list[str] = []
         self.release = asyncio.Event()
-        self.stream = GenerateStream(self.fake_generate)
+        self.stream = GenerateStream(self.fake_generate, self.fake_generate_group)
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -72,6 +72,10 @@ class FakeReplica:
             self.cancelled.append(request_id)
             raise
         return (request_id, list(prompt_ids), params["max_tokens"])
+
+    async def fake_generate_group(self, request_id, prompt_ids, params, n):
+        self.started.append(request_id)
+        return [(f"{request_id}/{k}", params["max_tokens"]) for k in range(n)]
 
     async def _submit_generate(self, client_id, calls):
         self.stream.submit(client_id, calls)
@@ -179,3 +183,30 @@ async def test_close_ends_the_actor_side_stream():
     assert actor.stream.clients == 1
     await client.close()
     assert actor.stream.clients == 0
+
+
+async def test_groups_and_single_calls_share_one_message():
+    actor = FakeReplica()
+    client = BatchedGenerateClient(actor)
+    single, group, other = await asyncio.gather(
+        client.generate("one", [1], {"max_tokens": 1}),
+        client.generate_group("g", [2], {"max_tokens": 3}, 4),
+        client.generate_group("h", [3], {"max_tokens": 2}, 2),
+    )
+    assert single == ("one", [1], 1)
+    assert group == [(f"g/{k}", 3) for k in range(4)]
+    assert other == [("h/0", 2), ("h/1", 2)]
+    assert actor.messages.count("submit_generate") == 1
+
+
+async def test_a_group_call_to_a_replica_without_groups_fails_that_call_only():
+    actor = FakeReplica()
+    actor.stream = GenerateStream(actor.fake_generate)
+    client = BatchedGenerateClient(actor)
+    group, single = await asyncio.gather(
+        client.generate_group("g", [2], {"max_tokens": 3}, 4),
+        client.generate("one", [1], {"max_tokens": 1}),
+        return_exceptions=True,
+    )
+    assert isinstance(group, TypeError) and "n=4" in str(group)
+    assert single == ("one", [1], 1)

@@ -94,3 +94,38 @@ async def test_batched_generate_abort_and_resume_through_the_actor(replica, prom
             break
         await asyncio.sleep(0.01)
     assert (await server.status())["inflight"] == 0
+
+
+@pytest.mark.asyncio
+async def test_a_group_through_the_actor_survives_an_abort_under_the_client(replica, prompt_ids):
+    """Groups travel the batched path too: an abort mid-group returns each sample as it
+    stands and the client resumes each one on its own, to its full budget."""
+    from offbeat.balancer.aio import AsyncLoadBalancer
+    from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+
+    handle, _ = replica
+    server = RemoteRolloutServer(handle)
+    await server.refresh()
+    client = PartialRolloutClient(
+        AsyncLoadBalancer({"r": server}), PartialRolloutConfig(max_tokens=120)
+    )
+    params = {"temperature": 0.8, "ignore_eos": True, "seed": 3}
+    groups = [
+        asyncio.create_task(client.generate_group(f"g-{i}", prompt_ids[i], params, 4))
+        for i in range(3)
+    ]
+    for _ in range(2000):
+        if (await server.status())["inflight"] == len(groups):
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
+    await server.abort_all()
+    await server.resume()
+    outs = await asyncio.wait_for(asyncio.gather(*groups), 120)
+    samples = [o for group in outs for o in group]
+    assert [len(group) for group in outs] == [4, 4, 4]
+    assert all(len(o.token_ids) == len(o.logprobs) == 120 for o in samples)
+    assert all(o.stop_reason == "length" for o in samples)
+    assert any(o.extra["num_attempts"] == 2 for o in samples)  # the abort landed mid-group
+    last = (await server.status())["last_abort"]
+    assert last["inflight"] == len(groups)  # one call per group in flight, not one per sample

@@ -10,9 +10,13 @@ sends finished results back on one long-lived stream (`generate_results`), whate
 finished since the last message in one message. Control calls keep their own messages and
 find at most a few batches ahead of them.
 
+A GRPO group (`generate_group(..., n)`) travels the same way: one call carrying `n`,
+answered by the list of its `n` outputs.
+
 Knows nothing about vLLM or Ray beyond a handle's `method.remote(...)` and an awaitable
 (or async-iterable, for the stream) answer; `GenerateStream` (the actor side) only needs
-an object with `async generate(request_id, prompt_ids, sampling_params)`.
+`async generate(request_id, prompt_ids, sampling_params)` (and, for groups,
+`async generate_group(request_id, prompt_ids, sampling_params, n)`).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from typing import Any
 
 __all__ = ["BatchedGenerateClient", "GenerateStream"]
 
-# One call on the wire: (key, request_id, prompt_ids, sampling_params).
-Call = tuple[int, str, list[int], dict[str, Any]]
-# One result on the wire: (key, ok, TokenOutput or the exception generate raised).
+# One call on the wire: (key, request_id, prompt_ids, sampling_params[, n]); with `n` it is
+# a group (`generate_group`), without it one `generate`.
+Call = tuple[Any, ...]
+# One result on the wire: (key, ok, TokenOutput, a group's list of them, or the exception
+# the call raised).
 Result = tuple[int, bool, Any]
 
 
@@ -57,8 +63,14 @@ class GenerateStream:
     """The actor side: runs submitted calls through `generate` and queues their results
     per client until that client's stream takes them."""
 
-    def __init__(self, generate: Callable[[str, list[int], Mapping[str, Any]], Awaitable[Any]]):
+    def __init__(
+        self,
+        generate: Callable[[str, list[int], Mapping[str, Any]], Awaitable[Any]],
+        generate_group: Callable[[str, list[int], Mapping[str, Any], int], Awaitable[Any]]
+        | None = None,
+    ):
         self._generate = generate
+        self._generate_group = generate_group
         self._boxes: dict[str, _Outbox] = {}
 
     def _box(self, client_id: str) -> _Outbox:
@@ -70,14 +82,24 @@ class GenerateStream:
     def submit(self, client_id: str, calls: Sequence[Call]) -> None:
         """Start every call; returns at once (results come through `results`)."""
         box = self._box(client_id)
-        for key, request_id, prompt_ids, params in calls:
+        for key, request_id, prompt_ids, params, *group in calls:
+            n = group[0] if group else None
             box.tasks[key] = asyncio.ensure_future(
-                self._run(box, key, request_id, prompt_ids, params)
+                self._run(box, key, request_id, prompt_ids, params, n)
             )
 
-    async def _run(self, box: _Outbox, key: int, request_id: str, prompt_ids, params) -> None:
+    async def _call(self, request_id: str, prompt_ids, params, n: int | None) -> Any:
+        if n is None:
+            return await self._generate(request_id, prompt_ids, params)
+        if self._generate_group is None:
+            raise TypeError(f"group call {request_id!r} (n={n}): this replica has no groups")
+        return await self._generate_group(request_id, prompt_ids, params, n)
+
+    async def _run(
+        self, box: _Outbox, key: int, request_id: str, prompt_ids, params, n: int | None
+    ) -> None:
         try:
-            item: Result = (key, True, await self._generate(request_id, prompt_ids, params))
+            item: Result = (key, True, await self._call(request_id, prompt_ids, params, n))
         except asyncio.CancelledError:
             box.tasks.pop(key, None)  # cancelled by its client: nobody waits for it
             raise
@@ -162,13 +184,26 @@ class BatchedGenerateClient:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any]
     ) -> Any:
+        return await self._call((request_id, list(prompt_ids), dict(sampling_params)))
+
+    async def generate_group(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        n: int,
+    ) -> Any:
+        """A group call: answered by the list of its `n` outputs."""
+        return await self._call((request_id, list(prompt_ids), dict(sampling_params), n))
+
+    async def _call(self, call: tuple[Any, ...]) -> Any:
         loop = asyncio.get_running_loop()
         if loop is not self._loop or self._stream is None or self._stream.done():
             self._bind(loop)
         key = next(self._keys)
         fut = loop.create_future()
         self._waiting[key] = fut
-        self._outgoing.append((key, request_id, list(prompt_ids), dict(sampling_params)))
+        self._outgoing.append((key, *call))
         self._schedule_flush(loop)
         try:
             return await fut

@@ -26,7 +26,7 @@ class VLLMReplicaActor(VLLMRolloutServer):
         if self.cpus:
             pin_process(self.cpus)
         super().__init__(config)
-        self._calls = GenerateStream(self.generate)
+        self._calls = GenerateStream(self.generate, self.generate_group)
 
     # ---- the batched call path (driver side: BatchedGenerateClient) -------------------
     async def submit_generate(self, client_id: str, calls: list[Call]) -> None:

@@ -5,8 +5,9 @@
 `RemoteRolloutServer` turns the actor handle back into the `GroupRolloutServer` / `SyncTarget`
 protocols (async methods awaiting ObjectRefs, `weight_version` as a property), which is what
 the CheckpointEngineManager expects; the PartialRolloutClient takes either. Its `generate`
-calls travel batched (`_batching.py`): one Ray message per event-loop tick, results back on
-one stream, so control calls (`abort_all`, ...) never queue behind hundreds of samples.
+and `generate_group` calls travel batched (`_batching.py`): one Ray message per event-loop
+tick, results back on one stream, so control calls (`abort_all`, ...) never queue behind
+hundreds of samples.
 Every call to the actor is awaited: nothing here blocks the event loop (no `ray.get`).
 Knows nothing about vLLM itself.
 """
@@ -78,9 +79,12 @@ class RemoteRolloutServer:
     async def generate_group(
         self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any], n: int
     ) -> list[TokenOutput]:
-        outs = await self.handle.generate_group.remote(
-            request_id, prompt_ids, dict(sampling_params), n
-        )
+        if self.batched:
+            outs = await self._calls.generate_group(request_id, prompt_ids, sampling_params, n)
+        else:
+            outs = await self.handle.generate_group.remote(
+                request_id, prompt_ids, dict(sampling_params), n
+            )
         if outs:
             self._weight_version = outs[-1].weight_version
         return outs
