@@ -17,7 +17,7 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind, SamplingType
 
-__all__ = ["FORCED_KEYS", "sampling_keys", "to_sampling_params"]
+__all__ = ["FORCED_KEYS", "sampling_keys", "score_params", "to_sampling_params"]
 
 FORCED_KEYS: frozenset[str] = frozenset({"logprobs", "detokenize", "output_kind"})
 
@@ -81,6 +81,20 @@ def to_sampling_params(params: Mapping[str, Any], n: int = 1) -> SamplingParams:
         more = f" with n={n}" if n > 1 else ""
         raise ValueError(f"invalid sampling_params {dict(params)!r}{more}: {e}") from e
     return sp
+
+
+def score_params() -> SamplingParams:
+    """The params of a scoring request (`compute_log_probs`): the log-probability of every
+    prompt token (`prompt_logprobs=0`: the given token's only) at temperature 1 with no
+    truncation, and one generated token, which nobody reads."""
+    return SamplingParams(
+        max_tokens=1,
+        temperature=1.0,
+        top_p=1.0,
+        prompt_logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 def _check_value_types(kwargs: Mapping[str, Any]) -> None:

@@ -89,6 +89,11 @@ class RemoteRolloutServer:
             self._weight_version = outs[-1].weight_version
         return outs
 
+    async def compute_log_probs(
+        self, request_id: str, token_ids: list[int], start: int
+    ) -> list[float]:
+        return await self.handle.compute_log_probs.remote(request_id, list(token_ids), start)
+
     async def abort_all(self) -> None:
         await self.handle.abort_all.remote()
 

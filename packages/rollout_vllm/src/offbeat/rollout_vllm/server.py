@@ -39,7 +39,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
         f"offbeat-rollout-vllm[gpu] (vllm) ({e})"
     ) from e
 
-from offbeat.rollout_vllm._sampling import to_sampling_params
+from offbeat.rollout_vllm._sampling import score_params, to_sampling_params
 
 __all__ = ["WORKER_EXTENSION", "VLLMRolloutServer", "VLLMServerConfig"]
 
@@ -221,6 +221,31 @@ class VLLMRolloutServer:
             )
         # vLLM's final output of a group carries the stats of one sample only.
         return [self._to_token_output(out.request_id, c, None, version) for c in comps]
+
+    async def compute_log_probs(
+        self, request_id: str, token_ids: list[int], start: int
+    ) -> list[float]:
+        """The model's log-probability of each of `token_ids[start:]` given the tokens
+        before it (a teacher scoring a student's response): one prompt-logprob request
+        generating a single token at temperature 1, so the scores are the plain
+        log-softmax of the logits. Raises RuntimeError when `abort_all()` interrupts it
+        (a partial answer has no scores)."""
+        ids = self._check_prompt(token_ids)
+        if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start <= len(ids):
+            raise ValueError(
+                f"start={start!r}: expected an int in [1, {len(ids)}] (the first scored "
+                "position; position 0 has no context)"
+            )
+        out, _ = await self._run(request_id, ids, score_params())
+        if out.outputs and out.outputs[0].finish_reason == "abort":
+            raise RuntimeError(f"compute_log_probs({request_id}) aborted on {self.server_id}")
+        plps = out.prompt_logprobs
+        if plps is None or len(plps) != len(ids):
+            raise RuntimeError(
+                f"vLLM returned {None if plps is None else len(plps)} prompt log-probs for "
+                f"{len(ids)} tokens (request {request_id})"
+            )
+        return [float(plps[i][ids[i]].logprob) for i in range(start, len(ids))]
 
     async def _run(self, request_id: str, ids: list[int], sp: Any) -> tuple[Any, int]:
         """One vLLM request through the gate to its final output; returns that output and

@@ -6,10 +6,12 @@ from offbeat.core.rollout.protocol import (
     STOP_REASONS,
     GroupRolloutServer,
     RolloutServer,
+    ScoringRolloutServer,
     StopReason,
     TokenOutput,
     sample_params,
     supports_group,
+    supports_scoring,
 )
 
 __all__ = [
@@ -18,8 +20,10 @@ __all__ = [
     "PartialRolloutClient",
     "PartialRolloutConfig",
     "RolloutServer",
+    "ScoringRolloutServer",
     "StopReason",
     "TokenOutput",
     "sample_params",
     "supports_group",
+    "supports_scoring",
 ]

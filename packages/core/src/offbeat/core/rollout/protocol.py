@@ -102,6 +102,30 @@ class GroupRolloutServer(RolloutServer, Protocol):
     ) -> list[TokenOutput]: ...
 
 
+@runtime_checkable
+class ScoringRolloutServer(RolloutServer, Protocol):
+    """A `RolloutServer` that also scores given tokens: a teacher in on-policy
+    distillation. Optional, like `GroupRolloutServer`: only the replicas a recipe scores
+    with need it (`supports_scoring`).
+
+    `compute_log_probs(request_id, token_ids, start)` returns the model's log-probability
+    (temperature 1, no top-k/top-p) of each of `token_ids[start:]` given the tokens before
+    it: `len(token_ids) - start` floats, `start >= 1`. It honours the pause gate like
+    `generate`, and an `abort_all()` makes it raise rather than return partial scores.
+    """
+
+    async def compute_log_probs(
+        self, request_id: str, token_ids: list[int], start: int
+    ) -> list[float]: ...
+
+
+def supports_scoring(server: Any) -> bool:
+    """Whether `server` (a RolloutServer or a Ray actor handle of one) has
+    `compute_log_probs`."""
+    method = getattr(server, "compute_log_probs", None)
+    return method is not None and (callable(method) or hasattr(method, "remote"))
+
+
 def supports_group(server: Any) -> bool:
     """Whether `server` (a RolloutServer or a Ray actor handle of one) has
     `generate_group`."""
