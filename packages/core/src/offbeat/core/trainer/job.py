@@ -373,6 +373,20 @@ def reward_registry(cfg: JobConfig) -> Any:
 
 # ---- the run -----------------------------------------------------------------------------
 @dataclass
+class JobHooks:
+    """A recipe's changes to the separate_async job (None: unchanged).
+
+    `wrap_agent(agent) -> agent`: the loop the rollout samples training groups with
+    (validation keeps the plain one). `batch_hook(batch, data) -> metrics`: see
+    `Trainer.batch_hook`. `make_validator(cfg, agent, rows) -> Validator | None`.
+    """
+
+    wrap_agent: Any = None
+    batch_hook: Any = None
+    make_validator: Any = None
+
+
+@dataclass
 class Prepared:
     """A config whose model path and dataset files are resolved to local files."""
 
@@ -443,7 +457,11 @@ def start_replicas(p: Prepared) -> dict[str, Any]:
 
 
 async def run_with_replicas(
-    p: Prepared, servers: dict[str, Any], *, version_offset: int | None = None
+    p: Prepared,
+    servers: dict[str, Any],
+    *,
+    version_offset: int | None = None,
+    hooks: JobHooks | None = None,
 ) -> dict[str, Any]:
     """Build the trainer side around running `servers` and train to the end.
 
@@ -465,6 +483,7 @@ async def run_with_replicas(
 
     t0 = time.perf_counter()
     cfg, rt = p.cfg, p.cfg.runtime
+    hooks = hooks or JobHooks()
     servers = dict(servers)
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -498,15 +517,16 @@ async def run_with_replicas(
             max_prompt_length=cfg.data.max_prompt_length, on_engine_error=pool.on_engine_error,
         )  # fmt: skip
         loader = PromptDataLoader(p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        train_agent = agent if hooks.wrap_agent is None else hooks.wrap_agent(agent)
         driver = RolloutDriver(
-            buffer, loader, agent, n=cfg.rollout.n, max_concurrent_groups=rt.max_concurrent_groups,
+            buffer, loader, train_agent, n=cfg.rollout.n, max_concurrent_groups=rt.max_concurrent_groups,
             max_consecutive_failures=rt.max_failed_batches * cfg.data.train_batch_size,
             limit_key=f"runtime.max_failed_batches={rt.max_failed_batches} × "
             f"data.train_batch_size={cfg.data.train_batch_size}",
         )  # fmt: skip
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        validator = Validator.from_job(cfg, agent, val_rows)
+        validator = (hooks.make_validator or Validator.from_job)(cfg, agent, val_rows)
         tracker = MetricsTracker(
             run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
             progress=rt.progress_bar,
@@ -521,7 +541,7 @@ async def run_with_replicas(
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
-            version_offset=version_offset, tracer=tracer,
+            version_offset=version_offset, tracer=tracer, batch_hook=hooks.batch_hook,
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s))
         try:

@@ -146,6 +146,7 @@ class Trainer:
         rollout_memory: Any = None,
         version_offset: int = 0,
         tracer: trace.Tracer | None = None,
+        batch_hook: Any = None,
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -169,6 +170,10 @@ class Trainer:
         self._val_task: asyncio.Task | None = None
         self.sync_results: list[Any] = []
         self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
+        # A recipe's say over each train batch (e.g. distillation advantages):
+        # `batch_hook(batch, data) -> metrics`, run in a worker thread; it may replace
+        # tensors of `data` (the train engine's input).
+        self.batch_hook = batch_hook
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -325,6 +330,9 @@ class Trainer:
         self.evicted_uids += [g.uid for g in evicted]
 
         batch, data = await asyncio.to_thread(build_train_batch, groups, s)
+        hook_metrics: dict[str, float] = {}
+        if self.batch_hook is not None:
+            hook_metrics = await asyncio.to_thread(self.batch_hook, batch, data)
         t0 = time.perf_counter()
         if s.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
@@ -396,6 +404,7 @@ class Trainer:
         for phase, secs in result.phase_s.items():
             metrics[f"timing/sync_{phase}_s"] = secs
         metrics.update(_merge_updates(update_metrics))
+        metrics.update(hook_metrics)
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
         return metrics

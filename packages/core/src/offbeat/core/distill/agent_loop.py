@@ -1,0 +1,63 @@
+"""The distillation agent loop: the single-turn loop's trajectories, scored by their
+teacher as soon as their group finishes.
+
+Wraps any agent loop with `sample(uid, row, n, sampling) -> list[Trajectory]`: routes
+the row to a teacher, asks that teacher for the log-prob of every response token (all of
+the group's trajectories at once, while the rollout goes on with other groups), and
+stores them in each trajectory's extras beside the student's rollout log-probs. A
+teacher that still fails after its retries fails the group (`GroupFailed`: evicted,
+counted, refilled by the rollout driver), never the run. Knows nothing about engines or
+the loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from offbeat.core.data import Trajectory
+from offbeat.core.distill.advantages import TEACHER_ID, TEACHER_LOG_PROBS
+from offbeat.core.distill.teachers import TeacherPool, TeacherRouter, TeacherScoringError
+from offbeat.core.trainer.agent_loop import GroupFailed
+
+__all__ = ["DistillAgentLoop"]
+
+
+class DistillAgentLoop:
+    """`agent` (the student's loop) + teacher scoring; see the module docstring."""
+
+    def __init__(self, agent: Any, router: TeacherRouter, teachers: TeacherPool) -> None:
+        self.agent = agent
+        self.router = router
+        self.teachers = teachers
+
+    def __getattr__(self, name: str) -> Any:  # the inner loop's tokenizer, client, ...
+        return getattr(self.agent, name)
+
+    async def sample(
+        self, uid: str, row: Mapping[str, Any], n: int, sampling: Mapping[str, Any] | None = None
+    ) -> list[Trajectory]:
+        try:
+            teacher = self.router.route(row)
+        except KeyError as e:
+            raise GroupFailed(str(e)) from e
+        trajectories = await self.agent.sample(uid, row, n, sampling)
+        try:
+            scores = await asyncio.gather(
+                *(
+                    self.teachers.score(
+                        teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids)
+                    )
+                    for t in trajectories
+                    if t.response_ids
+                )
+            )
+        except TeacherScoringError as e:
+            raise GroupFailed(str(e)) from e
+        it = iter(scores)
+        index = float(self.router.index(teacher))
+        for t in trajectories:
+            t.extras[TEACHER_LOG_PROBS] = next(it) if t.response_ids else []
+            t.extras[TEACHER_ID] = index
+        return trajectories

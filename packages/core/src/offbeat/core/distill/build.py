@@ -1,0 +1,61 @@
+"""What an OPD job builds before anything starts: the mixed dataset of several synthetic
+tasks, and tiny teachers trained (supervised, cached) on their own task.
+
+Knows nothing about engines or RL: parquet files and HF model directories in, the same
+out. Both are cached under a hash of what determines them, so a second run reuses them.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from offbeat.core.distill.config import TeacherConfig
+from offbeat.core.tasks.synthetic import SyntheticTaskConfig, make_rows, write_parquet
+
+__all__ = ["build_teacher", "write_mixed_task_files"]
+
+
+def _rows(tasks: list[SyntheticTaskConfig], *, val: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for t in tasks:
+        n = t.n_val if val else t.n_train
+        seed = t.seed + 1_000_003 if val else t.seed
+        rows += make_rows(t.name, n, seed=seed, min_len=t.min_len, max_len=t.max_len)
+    random.Random(0).shuffle(rows)
+    for i, row in enumerate(rows):
+        row["index"] = i
+    return rows
+
+
+def write_mixed_task_files(
+    tasks: list[SyntheticTaskConfig], cache_dir: str | Path
+) -> tuple[list[str], list[str]]:
+    """train.parquet / val.parquet of `tasks` mixed (shuffled); existing files reused."""
+    key = "+".join(
+        f"{t.name}-{t.seed}-{t.min_len}-{t.max_len}-{t.n_train}-{t.n_val}" for t in tasks
+    )
+    d = Path(cache_dir) / f"mix-{key}"
+    train, val = d / "train.parquet", d / "val.parquet"
+    if not train.exists():
+        write_parquet(_rows(tasks, val=False), train)
+    if not val.exists():
+        write_parquet(_rows(tasks, val=True), val)
+    return [str(train)], [str(val)]
+
+
+def build_teacher(t: TeacherConfig, cache_dir: str | Path, *, prompt_key: str = "prompt") -> Path:
+    """The teacher's model directory: `t.model` resolved (a tiny model is built), then,
+    when `t.sft.steps > 0`, fine-tuned on its synthetic task (cached)."""
+    from offbeat.core.trainer.job import resolve_model
+    from offbeat.core.trainer.warm_start import WarmStartConfig, warm_start
+
+    cache_dir = Path(cache_dir)
+    model_dir = resolve_model(t.model, cache_dir / "models")
+    s = t.sft
+    if s.steps <= 0 or not s.task:
+        return model_dir
+    rows = make_rows(s.task, s.n_train, seed=s.seed + 7, min_len=s.min_len, max_len=s.max_len)
+    ws = WarmStartConfig(enabled=True, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed)
+    return warm_start(model_dir, rows, ws, cache_dir=cache_dir / "teachers", prompt_key=prompt_key)

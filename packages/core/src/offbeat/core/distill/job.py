@@ -1,0 +1,199 @@
+"""An on-policy distillation job: separate_async with teachers in their own pools.
+
+`run_opd(cfg)` builds the mixed dataset and the teachers (cached), starts the student's
+rollout replicas and every teacher's replicas from the same `rollout.engine` factory
+(a local pool, as separate_async starts its own; the teacher pools are a dict of servers,
+so moving them to named Ray pools changes `start_teachers` only), and runs the
+separate_async job with three hooks: the rollout's agent loop scores each finished group
+on its teacher, the trainer's batch hook turns teacher log-probs into advantages, and
+validation reports reward per task. At the end each teacher is validated on every task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from offbeat.core.distill import config as _distill_checks  # noqa: F401  (registers its rules)
+from offbeat.core.distill.advantages import (
+    TEACHER_ID,
+    TEACHER_LOG_PROBS,
+    opd_advantages,
+    reverse_kl_by_teacher,
+)
+from offbeat.core.distill.config import DistillationConfig
+from offbeat.core.distill.teachers import TeacherPool, TeacherRouter
+from offbeat.core.trainer.job import RunConfig
+
+__all__ = ["OPDConfig", "make_batch_hook", "run_opd", "start_teachers"]
+
+
+@dataclass
+class OPDConfig(RunConfig):
+    """A separate_async job config plus its `distillation` section."""
+
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+
+
+def teacher_job(cfg: RunConfig, d: DistillationConfig, name: str) -> RunConfig:
+    """The job config a rollout-engine factory starts teacher `name`'s replicas from."""
+    t = d.teachers[name]
+    rt = cfg.runtime
+    kwargs = dict(cfg.rollout.engine_kwargs)
+    if "max_model_len" in kwargs:  # prompt + the whole response, and the one scoring token
+        kwargs["max_model_len"] = int(kwargs["max_model_len"]) + 1
+    return dataclasses.replace(
+        cfg,
+        rollout=dataclasses.replace(
+            cfg.rollout, tensor_parallel_size=t.tensor_parallel_size, engine_kwargs=kwargs
+        ),
+        resources=dataclasses.replace(
+            cfg.resources, rollout_devices=t.replicas * t.tensor_parallel_size
+        ),
+        runtime=dataclasses.replace(
+            rt,
+            rollout_cpus=list(d.teacher_cpus or rt.rollout_cpus),
+            rollout_num_cpus=d.teacher_num_cpus,
+        ),
+    )
+
+
+def start_teachers(
+    cfg: RunConfig, d: DistillationConfig, model_dirs: dict[str, Path]
+) -> dict[str, dict[str, Any]]:
+    """{teacher: {server_id: server}}: every teacher's replicas (not awaited)."""
+    from offbeat.core.registry import ROLLOUT_ENGINES
+
+    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
+    out: dict[str, dict[str, Any]] = {}
+    for name, t in d.teachers.items():
+        job = teacher_job(cfg, d, name)
+        out[name] = {
+            f"{name}-{i}": factory(job, str(model_dirs[name]), i) for i in range(t.replicas)
+        }
+    return out
+
+
+def make_batch_hook(d: DistillationConfig, router: TeacherRouter, pool: TeacherPool, s: Any):
+    """The trainer's batch hook: OPD advantages in place of the reward's, and per-teacher
+    reverse KL, tokens, routed groups and scoring latency."""
+
+    def hook(batch: Any, data: dict[str, Any]) -> dict[str, float]:
+        teacher_lp = batch.extras[TEACHER_LOG_PROBS]
+        data["advantages"] = opd_advantages(
+            data["rollout_log_probs"], teacher_lp, data["response_mask"], kl_coef=d.kl_coef,
+            rewards=batch.rewards, group_uids=batch.group_uids, reward_weight=d.reward_weight,
+            norm_by_std=s.norm_adv_by_std_in_grpo,
+        )  # fmt: skip
+        metrics = reverse_kl_by_teacher(
+            data["rollout_log_probs"], teacher_lp, data["response_mask"],
+            batch.extras[TEACHER_ID], router.names,
+        )  # fmt: skip
+        metrics.update(pool.drain_metrics())
+        for name in router.names:
+            metrics[f"distill/{name}/routed_groups_total"] = float(router.counts.get(name, 0))
+        return metrics
+
+    return hook
+
+
+async def _evaluate_teachers(agent: Any, pool: TeacherPool, rows: list, d: DistillationConfig):
+    """{teacher: per-task validation metrics} of every teacher on every task."""
+    from offbeat.core.distill.validation import PerTaskValidator
+    from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+    from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
+
+    out = {}
+    for name, balancer in pool.balancers.items():
+        client = PartialRolloutClient(
+            balancer, PartialRolloutConfig(max_tokens=agent.sampling["max_tokens"])
+        )
+        loop = SingleTurnAgentLoop(
+            client, agent.tokenizer, agent.rewards, agent.sampling, prompt_key=agent.prompt_key
+        )
+        out[name] = await PerTaskValidator(loop, rows, task_key=d.teacher_key).run(f"t-{name}")
+    return out
+
+
+async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
+    """Run `cfg` (validated) to the end; shut every replica down after."""
+    from offbeat.core.distill.agent_loop import DistillAgentLoop
+    from offbeat.core.distill.build import build_teacher, write_mixed_task_files
+    from offbeat.core.distill.report import plot_opd
+    from offbeat.core.distill.validation import PerTaskValidator
+    from offbeat.core.tasks import read_parquet
+    from offbeat.core.trainer.job import (
+        JobHooks,
+        init_ray,
+        pin_trainer,
+        prepare,
+        run_with_replicas,
+        shutdown_replicas,
+        split_gpus,
+        start_replicas,
+    )  # fmt: skip
+    from offbeat.core.trainer.trainer import TrainerSettings
+
+    t0 = time.perf_counter()
+    d = cfg.distillation
+    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    if not cfg.data.train_files and d.tasks:
+        train, val = write_mixed_task_files(list(d.tasks), cache / "tasks")
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, train_files=train, val_files=val)
+        )
+    init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
+    pin_trainer(cfg.runtime)
+    teacher_dirs = {}
+    for name, t in d.teachers.items():
+        teacher_dirs[name] = await asyncio.to_thread(
+            build_teacher, t, cache, prompt_key=cfg.data.prompt_key
+        )
+    p = await asyncio.to_thread(prepare, cfg)
+    servers = start_replicas(p)
+    teacher_servers = start_teachers(p.cfg, d, teacher_dirs)
+    everything = {**servers, **{k: v for s in teacher_servers.values() for k, v in s.items()}}
+    try:
+        await asyncio.gather(*(s.refresh() for t in teacher_servers.values() for s in t.values()))
+        router = TeacherRouter(
+            list(d.teachers), teacher_key=d.teacher_key, default=d.default_teacher
+        )
+        pool = TeacherPool(teacher_servers, max_retries=d.max_retries, timeout_s=d.timeout_s)
+        settings = TrainerSettings.from_job(p.cfg)
+        validators: list[PerTaskValidator] = []
+
+        def make_validator(job: Any, agent: Any, rows: list) -> PerTaskValidator:
+            v = PerTaskValidator(
+                agent, rows, task_key=d.teacher_key, max_concurrency=job.data.val_batch_size
+            )
+            validators.append(v)
+            agents.append(agent)
+            return v
+
+        agents: list[Any] = []
+        hooks = JobHooks(
+            wrap_agent=lambda agent: DistillAgentLoop(agent, router, pool),
+            batch_hook=make_batch_hook(d, router, pool, settings),
+            make_validator=make_validator,
+        )
+        summary = await run_with_replicas(p, servers, version_offset=0, hooks=hooks)
+        val_rows = [r for f in p.val_files for r in read_parquet(f)]
+        summary["teacher_val"] = await _evaluate_teachers(agents[0], pool, val_rows, d)
+        summary["student_val"] = validators[0].history
+        summary["routed"] = dict(router.counts)
+    finally:
+        await shutdown_replicas(everything)
+    history = summary["trainer"].tracker.history
+    tasks = {
+        k.split("/")[1] for r in history for k in r if k.startswith("val/") and k.count("/") == 2
+    }
+    summary["routes"] = {t: t if t in d.teachers else d.default_teacher for t in sorted(tasks)}
+    path = Path(summary["run_dir"]) / "opd.png"
+    summary["opd_plot"] = str(plot_opd(history, summary["teacher_val"], summary["routes"], path))
+    summary["total_wall_s"] = time.perf_counter() - t0
+    return summary

@@ -1,0 +1,141 @@
+"""Teachers: routing a sample to its teacher, and scoring its tokens on that teacher.
+
+`TeacherRouter` maps a dataset row to a teacher name by one row field (`teacher_key`,
+e.g. `data_source`), with an optional default. `TeacherPool` holds one balancer per
+teacher over that teacher's replicas (anything with `compute_log_probs`, see
+`ScoringRolloutServer`) and scores (prompt + response) token sequences with retries on
+other replicas, keeping per-teacher counts and latencies. Knows nothing about how the
+replicas were started (a local pool today, a named Ray pool tomorrow: the pool only
+takes `{teacher: {server_id: server}}`) or about training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TeacherPool", "TeacherRouter", "TeacherScoringError"]
+
+
+class TeacherScoringError(RuntimeError):
+    """A sequence could not be scored by its teacher after every retry."""
+
+
+class TeacherRouter:
+    """`route(row) -> teacher name`; raises KeyError for a value with no teacher and no
+    default."""
+
+    def __init__(self, names: list[str], *, teacher_key: str = "data_source", default: str = ""):
+        if default and default not in names:
+            raise ValueError(f"default teacher {default!r} is not one of {names}")
+        self.names = list(names)
+        self.teacher_key = teacher_key
+        self.default = default
+        self.counts: dict[str, int] = defaultdict(int)  # rows routed, by teacher
+
+    def route(self, row: Mapping[str, Any]) -> str:
+        value = row.get(self.teacher_key)
+        name = str(value) if value is not None else ""
+        if name not in self.names:
+            if not self.default:
+                raise KeyError(
+                    f"row {self.teacher_key}={value!r} has no teacher (teachers: {self.names}; "
+                    "set distillation.default_teacher)"
+                )
+            name = self.default
+        self.counts[name] += 1
+        return name
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+
+class TeacherPool:
+    """One `AsyncLoadBalancer` per teacher; `score(teacher, ids, start)` with retries."""
+
+    def __init__(
+        self,
+        servers: Mapping[str, Mapping[str, Any]],
+        *,
+        max_retries: int = 2,
+        timeout_s: float = 120.0,
+        retry_delay_s: float = 0.5,
+    ) -> None:
+        from offbeat.balancer.aio import AsyncLoadBalancer
+
+        self.servers = {name: dict(s) for name, s in servers.items()}
+        self.balancers = {name: AsyncLoadBalancer(dict(s)) for name, s in self.servers.items()}
+        self.max_retries = max_retries
+        self.timeout_s = timeout_s
+        self.retry_delay_s = retry_delay_s
+        self._stats: dict[str, dict[str, float]] = {}
+        self._calls = 0
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.servers)
+
+    async def score(self, teacher: str, token_ids: list[int], start: int) -> list[float]:
+        """The teacher's log-prob of each of `token_ids[start:]`. A failed or timed-out
+        call retries (another replica where the balancer has one) up to `max_retries`
+        times, then raises TeacherScoringError."""
+        balancer = self.balancers[teacher]
+        self._calls += 1
+        rid = f"{teacher}-score-{self._calls}"
+        last: BaseException | None = None
+        for attempt in range(self.max_retries + 1):
+            t0 = time.perf_counter()
+            try:
+                async with balancer.lease(rid, timeout=self.timeout_s) as lease:
+                    lps = await asyncio.wait_for(
+                        lease.handle.compute_log_probs(f"{rid}-{attempt}", token_ids, start),
+                        self.timeout_s,
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                last = e
+                self._add(teacher, errors=1)
+                logger.warning(
+                    "teacher %s: scoring %s failed (%s), attempt %d", teacher, rid, e, attempt + 1
+                )
+                await asyncio.sleep(self.retry_delay_s * (attempt + 1))
+                continue
+            if len(lps) != len(token_ids) - start:
+                last = RuntimeError(f"{len(lps)} log-probs for {len(token_ids) - start} tokens")
+                self._add(teacher, errors=1)
+                continue
+            self._add(teacher, calls=1, tokens=len(lps), latency_s=time.perf_counter() - t0)
+            return [float(x) for x in lps]
+        raise TeacherScoringError(
+            f"teacher {teacher!r} could not score a sequence after {self.max_retries + 1} "
+            f"attempts: {type(last).__name__}: {last}"
+        )
+
+    def _add(self, teacher: str, **values: float) -> None:
+        s = self._stats.setdefault(teacher, defaultdict(float))
+        for k, v in values.items():
+            s[k] += v
+        if "latency_s" in values:
+            s["latency_max_s"] = max(s["latency_max_s"], values["latency_s"])
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Per teacher since the last call: scoring calls, tokens scored, errors, mean and
+        max latency (`distill/<name>/...`)."""
+        out: dict[str, float] = {}
+        for name, s in self._stats.items():
+            calls = s.get("calls", 0.0)
+            out[f"distill/{name}/score_calls"] = calls
+            out[f"distill/{name}/scored_tokens"] = s.get("tokens", 0.0)
+            out[f"distill/{name}/score_errors"] = s.get("errors", 0.0)
+            if calls:
+                out[f"distill/{name}/latency_mean_s"] = s["latency_s"] / calls
+                out[f"distill/{name}/latency_max_s"] = s["latency_max_s"]
+        self._stats = {}
+        return out

@@ -1,0 +1,219 @@
+"""On-policy distillation pieces without Ray or an engine: the k1 advantage, per-teacher
+reverse KL, routing, scoring retries, the agent loop's group failure, and the config
+rules (routes without a teacher, a teacher with another vocabulary)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from offbeat.core.config.validation import Problems
+from offbeat.core.data import Trajectory
+from offbeat.core.distill import (
+    TEACHER_ID,
+    TEACHER_LOG_PROBS,
+    DistillationConfig,
+    TeacherConfig,
+    TeacherPool,
+    TeacherRouter,
+    TeacherScoringError,
+    opd_advantages,
+    reverse_kl_by_teacher,
+)
+from offbeat.core.distill.agent_loop import DistillAgentLoop
+from offbeat.core.distill.config import _distillation_rules
+from offbeat.core.distill.job import OPDConfig
+from offbeat.core.tasks.synthetic import SyntheticTaskConfig
+from offbeat.core.trainer.agent_loop import GroupFailed
+
+# ---- the advantage ------------------------------------------------------------------------
+
+
+def test_advantage_is_negative_log_ratio_per_token_without_baseline_or_discount():
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -0.5], [-2.1, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = opd_advantages(student, teacher, mask)
+    # Token by token: teacher - student; nothing centred per group, nothing summed forward.
+    assert adv.tolist() == [pytest.approx([0.5, -0.5, 0.0]), pytest.approx([-2.0, 2.0, 0.0])]
+    # The padding position is zero even where the log-probs differ.
+    padded = opd_advantages(student, teacher + torch.tensor([[0, 0, 0], [0, 0, -5.0]]), mask)
+    assert padded[1, 2] == 0.0
+
+
+def test_kl_coef_scales_and_reward_weight_adds_the_grpo_advantage():
+    student = torch.zeros(4, 2)
+    teacher = torch.full((4, 2), -1.0)
+    mask = torch.ones(4, 2, dtype=torch.long)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    uids = ["a", "a", "b", "b"]
+    base = opd_advantages(student, teacher, mask, kl_coef=2.0)
+    assert torch.all(base == -2.0)
+    mixed = opd_advantages(
+        student, teacher, mask, kl_coef=2.0, rewards=rewards, group_uids=uids,
+        reward_weight=0.5, norm_by_std=False,
+    )  # fmt: skip
+    # Group a: rewards 1, 0 -> GRPO (unscaled) +0.5 / -0.5; group b: equal rewards -> 0.
+    assert mixed[:, 0].tolist() == pytest.approx([-1.75, -2.25, -2.0, -2.0])
+    with pytest.raises(ValueError, match="needs rewards"):
+        opd_advantages(student, teacher, mask, reward_weight=1.0)
+
+
+def test_reverse_kl_and_tokens_are_reported_per_teacher():
+    student = torch.tensor([[-1.0, -1.0], [-2.0, 0.0], [-1.0, -1.0]])
+    teacher = torch.tensor([[-2.0, -3.0], [-2.0, 0.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    ids = torch.tensor([0.0, 1.0, 0.0])
+    m = reverse_kl_by_teacher(student, teacher, mask, ids, ["add", "rev", "unused"])
+    assert m["distill/add/reverse_kl"] == pytest.approx((1 + 2 + 0 + 0) / 4)
+    assert m["distill/add/tokens"] == 4
+    assert m["distill/rev/reverse_kl"] == 0.0
+    assert m["distill/rev/tokens"] == 1
+    assert "distill/unused/tokens" not in m
+
+
+# ---- routing and scoring ----------------------------------------------------------------
+
+
+def test_router_routes_by_key_counts_and_falls_back_to_the_default():
+    r = TeacherRouter(["math", "char_match"], teacher_key="data_source")
+    assert r.route({"data_source": "math"}) == "math"
+    assert r.route({"data_source": "char_match"}) == "char_match"
+    with pytest.raises(KeyError, match="'other' has no teacher"):
+        r.route({"data_source": "other"})
+    d = TeacherRouter(["math", "char_match"], default="math")
+    assert d.route({"data_source": "other"}) == "math"
+    assert d.route({}) == "math"
+    assert dict(d.counts) == {"math": 2}
+    with pytest.raises(ValueError, match="default teacher"):
+        TeacherRouter(["math"], default="nope")
+
+
+class FakeTeacher:
+    """Scores token t as -t/100; fails its first `fail` calls."""
+
+    def __init__(self, fail: int = 0) -> None:
+        self.fail = fail
+        self.calls: list[tuple[list[int], int]] = []
+
+    async def compute_log_probs(self, request_id, token_ids, start):
+        self.calls.append((list(token_ids), start))
+        if self.fail > 0:
+            self.fail -= 1
+            raise RuntimeError("replica died")
+        await asyncio.sleep(0)
+        return [-t / 100 for t in token_ids[start:]]
+
+
+def test_pool_scores_on_the_named_teacher_and_retries_then_raises():
+    a, b = FakeTeacher(), FakeTeacher(fail=1)
+    pool = TeacherPool({"a": {"a-0": a}, "b": {"b-0": b}}, max_retries=1, retry_delay_s=0)
+    assert asyncio.run(pool.score("a", [5, 6, 7, 8], 2)) == [-0.07, -0.08]
+    assert asyncio.run(pool.score("b", [5, 6, 7], 1)) == [-0.06, -0.07]  # second attempt
+    assert a.calls == [([5, 6, 7, 8], 2)] and len(b.calls) == 2
+    m = pool.drain_metrics()
+    assert m["distill/a/scored_tokens"] == 2 and m["distill/b/score_errors"] == 1
+    assert m["distill/b/score_calls"] == 1 and "distill/a/latency_mean_s" in m
+    assert pool.drain_metrics() == {}
+    dead = TeacherPool({"c": {"c-0": FakeTeacher(fail=5)}}, max_retries=2, retry_delay_s=0)
+    with pytest.raises(TeacherScoringError, match="after 3 attempts"):
+        asyncio.run(dead.score("c", [1, 2], 1))
+
+
+class FakeAgent:
+    async def sample(self, uid, row, n, sampling=None):
+        return [
+            Trajectory(prompt_ids=[1, 2], response_ids=[3, 4 + i], rollout_log_probs=[-1.0, -1.0])
+            for i in range(n)
+        ]
+
+
+def test_agent_loop_stores_teacher_log_probs_beside_the_students():
+    teacher = FakeTeacher()
+    router = TeacherRouter(["math", "char_match"])
+    loop = DistillAgentLoop(
+        FakeAgent(),
+        router,
+        TeacherPool({"math": {"m": FakeTeacher()}, "char_match": {"c": teacher}}),
+    )
+    trajs = asyncio.run(loop.sample("g", {"data_source": "char_match"}, 2))
+    assert [t.extras[TEACHER_LOG_PROBS] for t in trajs] == [[-0.03, -0.04], [-0.03, -0.05]]
+    assert all(t.extras[TEACHER_ID] == 1.0 for t in trajs)
+    assert teacher.calls == [([1, 2, 3, 4], 2), ([1, 2, 3, 5], 2)]
+
+
+def test_a_teacher_that_keeps_failing_fails_the_group_not_the_run():
+    pool = TeacherPool({"math": {"m": FakeTeacher(fail=10)}}, max_retries=1, retry_delay_s=0)
+    loop = DistillAgentLoop(FakeAgent(), TeacherRouter(["math"]), pool)
+    with pytest.raises(GroupFailed, match="could not score"):
+        asyncio.run(loop.sample("g", {"data_source": "math"}, 2))
+    with pytest.raises(GroupFailed, match="has no teacher"):
+        asyncio.run(loop.sample("g", {"data_source": "other"}, 2))
+
+
+# ---- config rules -----------------------------------------------------------------------
+
+
+def opd_config(**teachers: TeacherConfig) -> OPDConfig:
+    cfg = OPDConfig()
+    cfg.model.path = "offbeat-tiny:tiny"
+    cfg.distillation = DistillationConfig(
+        teachers=dict(teachers),
+        tasks=[SyntheticTaskConfig(name="add"), SyntheticTaskConfig(name="reverse")],
+    )
+    return cfg
+
+
+def problems(cfg) -> dict[str, str]:
+    p = Problems()
+    _distillation_rules(cfg, p)
+    return {x.key: str(x) for x in p.items}
+
+
+def test_every_dataset_key_needs_a_teacher_unless_there_is_a_default():
+    tiny = TeacherConfig(model="offbeat-tiny:tiny")
+    assert problems(opd_config(math=tiny, char_match=tiny)) == {}
+    found = problems(opd_config(math=tiny))
+    assert "no teacher for ['char_match']" in found["distillation.teachers"]
+    cfg = opd_config(math=tiny)
+    cfg.distillation.default_teacher = "math"
+    assert problems(cfg) == {}
+    cfg.distillation.default_teacher = "nope"
+    assert "distillation.default_teacher" in problems(cfg)
+
+
+def test_parquet_keys_are_read_for_the_routing_check(tmp_path):
+    from offbeat.core.tasks.synthetic import write_parquet
+
+    f = write_parquet([{"prompt": "x", "data_source": "geo"}], tmp_path / "t.parquet")
+    cfg = opd_config(math=TeacherConfig(model="offbeat-tiny:tiny"))
+    cfg.data.train_files = [str(f)]
+    assert "no teacher for ['geo']" in problems(cfg)["distillation.teachers"]
+
+
+def _model_dir(path, vocab):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"vocab_size": len(vocab)}))
+    (path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+    return str(path)
+
+
+def test_a_teacher_with_another_vocabulary_is_rejected(tmp_path):
+    student = _model_dir(tmp_path / "s", {"a": 0, "b": 1})
+    same = _model_dir(tmp_path / "t1", {"a": 0, "b": 1})
+    other = _model_dir(tmp_path / "t2", {"a": 0, "c": 1})
+    bigger = _model_dir(tmp_path / "t3", {"a": 0, "b": 1, "c": 2})
+    cfg = opd_config(math=TeacherConfig(model=same), char_match=TeacherConfig(model=other))
+    cfg.model.path = student
+    found = problems(cfg)
+    assert list(found) == ["distillation.teachers.char_match.model"]
+    assert "different tokens" in found["distillation.teachers.char_match.model"]
+    cfg.distillation.teachers["char_match"] = TeacherConfig(model=bigger)
+    assert (
+        "vocab_size 3 vs model.path's 2" in problems(cfg)["distillation.teachers.char_match.model"]
+    )
+    cfg.distillation.teachers["char_match"] = TeacherConfig(model="offbeat-tiny:tiny")
+    assert "vocabulary of model.path" in problems(cfg)["distillation.teachers.char_match.model"]
