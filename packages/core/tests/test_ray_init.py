@@ -89,6 +89,8 @@ def test_local_init_keeps_loopback_and_turns_dashboard_uv_and_usage_stats_off(fa
     assert services.resolve_ip_for_localhost is original  # ... and restored after
     assert call["include_dashboard"] is False
     assert call["_node_ip_address"] == "127.0.0.1"
+    # a new local Ray even where another one runs on the machine (never joined)
+    assert call["address"] == "local"
     assert ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV is False
     assert os.environ["RAY_USAGE_STATS_ENABLED"] == "0"
     # stdout is a log file: no library progress bars in the processes started from here

@@ -252,6 +252,7 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
         services.resolve_ip_for_localhost = lambda host: host
     try:
         ray.init(
+            address="local",  # a new local Ray, never one found running on the machine
             num_cpus=rt.ray_num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,
