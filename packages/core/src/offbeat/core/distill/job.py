@@ -30,7 +30,7 @@ from offbeat.core.distill.config import DistillationConfig
 from offbeat.core.distill.teachers import TeacherPool, TeacherRouter
 from offbeat.core.trainer.job import RunConfig
 
-__all__ = ["OPDConfig", "make_batch_hook", "run_opd", "start_teachers"]
+__all__ = ["OPDConfig", "make_batch_hook", "run_opd", "start_teachers", "teacher_job"]
 
 
 @dataclass
