@@ -11,6 +11,7 @@ the buffer admits one batch at a time, so generation and training alternate.
 Knows nothing about the concrete engines: it drives a `TrainEngine`, a `ReplicaPool`
 (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
 phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`).
+Step hooks see each trained batch and may add metrics (rollout record and replay).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +149,7 @@ class Trainer:
         version_offset: int = 0,
         tracer: trace.Tracer | None = None,
         batch_hook: Any = None,
+        step_hooks: Sequence[Any] = (),
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -174,6 +177,9 @@ class Trainer:
         # `batch_hook(batch, data) -> metrics`, run in a worker thread; it may replace
         # tensors of `data` (the train engine's input).
         self.batch_hook = batch_hook
+        # After each step, `hook.after_step(step, groups, batch, metrics)` (it may add
+        # metrics; e.g. rollout record/replay); `await hook.close()` when the run ends.
+        self.step_hooks = list(step_hooks)
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -262,6 +268,8 @@ class Trainer:
         finally:
             await self.driver.stop()
             await self.tracer.close()
+            for hook in self.step_hooks:
+                await hook.close()
             trace.deactivate(token)
         if s.save_freq == 0 and self.step >= start:
             await self._save()
@@ -407,6 +415,8 @@ class Trainer:
         metrics.update(hook_metrics)
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
+        for hook in self.step_hooks:
+            hook.after_step(step, groups, batch, metrics)
         return metrics
 
 
