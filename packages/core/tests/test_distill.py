@@ -44,6 +44,16 @@ def test_advantage_is_negative_log_ratio_per_token_without_baseline_or_discount(
     assert padded[1, 2] == 0.0
 
 
+def test_advantage_rejects_any_shape_mismatch():
+    # A mask one token wider than two equal log-prob tensors (the chained `a != b != c`
+    # let this through to a broadcasting error).
+    lp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="shapes differ"):
+        opd_advantages(lp, lp, torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="shapes differ"):
+        opd_advantages(lp, torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.long))
+
+
 def test_kl_coef_scales_and_reward_weight_adds_the_grpo_advantage():
     student = torch.zeros(4, 2)
     teacher = torch.full((4, 2), -1.0)

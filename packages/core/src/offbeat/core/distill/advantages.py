@@ -37,7 +37,7 @@ def opd_advantages(
     """[B, R] advantages: `-kl_coef * (log pi_s - log pi_t)` on each response token,
     plus `reward_weight` x the GRPO advantage of `rewards` when that weight is > 0;
     zero on padding."""
-    if student_log_probs.shape != teacher_log_probs.shape != response_mask.shape:
+    if not student_log_probs.shape == teacher_log_probs.shape == response_mask.shape:
         raise ValueError(
             f"shapes differ: student {tuple(student_log_probs.shape)}, teacher "
             f"{tuple(teacher_log_probs.shape)}, mask {tuple(response_mask.shape)}"
