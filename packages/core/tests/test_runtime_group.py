@@ -154,8 +154,9 @@ def test_two_ranks_update_equals_one_rank_and_sync_from_rank0(ray_local, model_d
     assert got["actor/num_tokens"] == want["actor/num_tokens"]
     one_weights = {n: t.clone() for n, t in one.export_weights()}
     assert sorted(group_weights) == sorted(one_weights)
+    one_grads = {n: p.grad.full_tensor() for n, p in one.model.named_parameters()}
     for name, w in one_weights.items():
-        g = {n: p.grad.full_tensor() for n, p in one.model.named_parameters()}[name]
+        g = one_grads[name]
         scale = float(g.abs().max()) or 1.0
         torch.testing.assert_close(group_grads[name], g, atol=1e-5 * scale, rtol=1e-4, msg=name)
         # AdamW's first step is lr * sign(grad) where the gradient is not ~0: same weights

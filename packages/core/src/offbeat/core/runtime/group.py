@@ -203,6 +203,11 @@ class TrainerGroup:
         for f in futures:
             f.cancel()
         if self.kill_on_failure:
+            if not (rank == 0 and _died(cause)):
+                # Rank 0 may hold a checkpoint-engine backend (shared-memory files); a free
+                # thread of its actor closes it before the kill, which skips exit hooks.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.handles[0].close_backend.remote(), _GRACE_S)
             self.shutdown()
         raise self.failed
 

@@ -170,7 +170,7 @@ class ResourcePools:
         if len(set(names)) != len(names):
             raise ValueError(f"resource pools need distinct names, got {names}")
         specs = [s for s in specs if s.bundles > 0]
-        nodes = cluster_nodes() if nodes is None else nodes
+        nodes = await asyncio.to_thread(cluster_nodes) if nodes is None else nodes
         check_fit(specs, nodes)
         pools = cls({s.name: s for s in specs})
         try:
