@@ -97,6 +97,10 @@ def vllm_replica(job: Any, model_path: str, index: int, **ray_options: Any) -> A
     rt = job.runtime
     cpus, env = replica_cpus(job, index)
     engine_kwargs = engine_kwargs_of(job)
+    if "scheduling_strategy" in ray_options and job.rollout.tensor_parallel_size > 1:
+        # In a placement group vLLM would pick its Ray executor, which wants a bundle per
+        # worker; the replica's bundle holds all its devices: its own processes use them.
+        engine_kwargs.setdefault("distributed_executor_backend", "mp")
     config = VLLMServerConfig(
         model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"
     )
