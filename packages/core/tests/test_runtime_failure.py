@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,31 @@ def test_a_dead_rank_stops_the_run_naming_it_and_the_step_then_resume_continues(
     assert server.weight_version == 4
     for name, w in sent.items():
         assert torch.equal(server.weights[name], w), name
+
+
+def test_a_rank_that_hangs_fails_the_call_after_the_timeout_naming_it(ray_local):
+    ray = ray_local
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def ok(self) -> int:
+            return 1
+
+        def hang(self) -> None:
+            time.sleep(3600)
+
+    group = TrainerGroup([Rank.remote(), Rank.remote()])
+    group.call_timeout_s = 2.0  # runtime.stall_timeout_s in a job
+    group.begin_step(7)
+
+    async def call():
+        h = group.handles
+        return await group._all("update", [h[0].ok.remote(), h[1].hang.remote()])
+
+    with pytest.raises(TrainerRankFailed) as e:
+        asyncio.run(call())
+    assert (e.value.rank, e.value.step) == (1, 7)
+    assert "trainer rank 1 failed in update during global step 7" in str(e.value)
+    assert "ranks [1] gave no answer within 2s (runtime.stall_timeout_s)" in str(e.value)
+    with pytest.raises(TrainerRankFailed):  # a failed group refuses further calls
+        asyncio.run(call())
