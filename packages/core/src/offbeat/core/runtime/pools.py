@@ -25,6 +25,7 @@ __all__ = [
     "PoolSpec",
     "ResourcePools",
     "check_fit",
+    "cluster_nodes",
     "pool_specs",
 ]
 
