@@ -120,6 +120,7 @@ def test_two_nodes_trainer_on_one_replica_on_the_other_over_broadcast(tmp_path):
 
     if ray.is_initialized():
         pytest.skip("Ray already started in this process")
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # as init_ray does
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
