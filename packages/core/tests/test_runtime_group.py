@@ -100,7 +100,12 @@ def ray_local():
 
 def on_every_rank(group, fn) -> list:
     """fn(rank) run on every rank at once (collectives need them all); the results."""
+    import sys
+
     import ray
+
+    # The ranks cannot import this test module: send `fn` by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[fn.__module__])
 
     return ray.get([h.__ray_call__.remote(fn) for h in group.handles])
 
