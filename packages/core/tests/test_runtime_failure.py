@@ -126,6 +126,7 @@ def test_a_rank_that_hangs_fails_the_call_after_the_timeout_naming_it(ray_local)
             time.sleep(3600)
 
     group = TrainerGroup([Rank.remote(), Rank.remote()])
+    ray.get([h.ok.remote() for h in group.handles])  # both started: only rank 1 is late
     group.call_timeout_s = 2.0  # runtime.stall_timeout_s in a job
     group.begin_step(7)
 
