@@ -24,6 +24,8 @@ __all__ = [
     "DataConfig",
     "JobConfig",
     "ModelConfig",
+    "RecordConfig",
+    "ReplayConfig",
     "ResourceConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -106,6 +108,26 @@ class CriticConfig:
 
 
 @dataclass
+class RecordConfig:
+    """Write each trained batch to `dir` (see offbeat.core.rollout.record): every `every`-th
+    step, or only the steps listed in `steps`. Empty `dir`: nothing is recorded."""
+
+    dir: str = ""
+    steps: list[int] = field(default_factory=list)  # non-empty: exactly these global steps
+    every: int = 1  # with `steps` empty: steps k, 2k, ... (1: every step)
+
+
+@dataclass
+class ReplayConfig:
+    """Train on the batches recorded in `dir` instead of generating them (see
+    offbeat.core.rollout.replay). `cache`: each recorded step once, then live generation;
+    `repeat`: cycle through the recording for the whole run. Empty `dir`: all live."""
+
+    dir: str = ""
+    mode: str = "cache"  # cache | repeat
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "vllm"  # a name in ROLLOUT_ENGINES
     tensor_parallel_size: int = 1
@@ -115,6 +137,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as is
+    record: RecordConfig = field(default_factory=RecordConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 @dataclass

@@ -107,9 +107,12 @@ class TrainerRank:
     def send_weights(self) -> Any:
         """Every rank: iterate the engine's export to the end (each parameter's gather is a
         collective); rank 0 streams what it gathers into the open sender and returns its
-        report. Rank 0 drains the export even when the send stops early, so the other
-        ranks are never left in a gather."""
-        stream = self.engine.export_weights()
+        report. An engine with `gather_weights(dst)` gathers onto rank 0 alone (the other
+        ranks send their shards and hold no full tensor); else every rank gathers each
+        parameter and the others drop it. Rank 0 drains the export even when the send
+        stops early, so the other ranks are never left in a gather."""
+        gather = getattr(self.engine, "gather_weights", None)
+        stream = gather(0) if gather is not None else self.engine.export_weights()
         if self.rank != 0:
             for _ in stream:
                 pass

@@ -12,6 +12,7 @@ Knows nothing about the concrete engines: it drives a `TrainEngine` (or a traine
 whose calls are coroutines), a `ReplicaPool`
 (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
 phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`).
+Step hooks see each trained batch and may add metrics (rollout record and replay).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import inspect
 import logging
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +150,7 @@ class Trainer:
         rollout_memory: Any = None,
         version_offset: int = 0,
         tracer: trace.Tracer | None = None,
+        step_hooks: Sequence[Any] = (),
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -171,6 +174,9 @@ class Trainer:
         self._val_task: asyncio.Task | None = None
         self.sync_results: list[Any] = []
         self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
+        # After each step, `hook.after_step(step, groups, batch, metrics)` (it may add
+        # metrics; e.g. rollout record/replay); `await hook.close()` when the run ends.
+        self.step_hooks = list(step_hooks)
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -259,6 +265,8 @@ class Trainer:
         finally:
             await self.driver.stop()
             await self.tracer.close()
+            for hook in self.step_hooks:
+                await hook.close()
             trace.deactivate(token)
         if s.save_freq == 0 and self.step >= start:
             await self._save()
@@ -402,6 +410,8 @@ class Trainer:
         metrics.update(_merge_updates(update_metrics))
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
+        for hook in self.step_hooks:
+            hook.after_step(step, groups, batch, metrics)
         return metrics
 
 
