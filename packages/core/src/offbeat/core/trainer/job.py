@@ -30,10 +30,10 @@ from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
 from offbeat.core.registry import ROLLOUT_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
+from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
 from offbeat.core.runtime import checks as _runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.runtime.launch import replica_options, start_pools, start_trainer
 from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
-from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
