@@ -100,14 +100,29 @@ NOT_HONOURED = [
         "'rloo' ignores it",
     ),
     (
-        ["resources.devices_per_node=3", "resources.trainer_devices=2"],
-        "resources.trainer_devices",
-        "until the distributed trainer lands",
+        [
+            "resources.devices_per_node=3",
+            "resources.trainer_devices=2",
+            "runtime.trainer_in_driver=true",
+        ],
+        "runtime.trainer_in_driver",
+        "runs as a worker group",
+    ),
+    (  # trainer and replicas may be on different nodes: shm cannot reach across
+        ["resources.num_nodes=2", "resources.rollout_devices=3"],
+        "runtime.ckpt_backend",
+        "'shm' moves weights within one machine only; use broadcast",
     ),
     (
-        ["resources.num_nodes=2", "resources.rollout_devices=3"],
-        "resources.num_nodes",
-        "runtime.ckpt_backend='shm' moves weights within one machine only",
+        ["resources.num_nodes=2", "resources.rollout_devices=3", "runtime.ckpt_backend=disk"],
+        "runtime.ckpt_backend",
+        "without options that cross machines",
+    ),
+    (["runtime.trainer_num_cpus=0"], "runtime.trainer_num_cpus", "a number > 0"),
+    (
+        ["runtime.trainer_resources={GPU: 1}"],
+        "runtime.trainer_resources.GPU",
+        "a custom Ray resource name",
     ),
     (["runtime.ckpt_backend=naive"], "runtime.ckpt_backend", "Ray actor of its own"),
     (["runtime.ckpt_backend=cuda_ipc"], "runtime.ckpt_backend", "needs resources.device in"),
@@ -140,6 +155,20 @@ def test_what_the_runtime_does_not_honour_is_rejected(overrides, key, phrase):
     mine = [str(p) for p in info.value.problems if p.key == key]
     assert mine, str(info.value)
     assert any(phrase in m for m in mine), mine
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["resources.devices_per_node=3", "resources.trainer_devices=2"],  # a worker group
+        ["resources.devices_per_node=5", "resources.trainer_devices=4",
+         "runtime.trainer_num_cpus=0.5"],
+        ["resources.num_nodes=2", "resources.devices_per_node=1", "runtime.ckpt_backend=broadcast",
+         "runtime.trainer_resources={trainer_node: 1}"],
+    ],
+)  # fmt: skip
+def test_what_the_runtime_honours_is_accepted(overrides):
+    load_recipe_config("separate_async", overrides)
 
 
 def test_cuda_is_rejected_on_a_machine_without_it(monkeypatch):

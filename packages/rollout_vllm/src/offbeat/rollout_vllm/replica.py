@@ -87,14 +87,20 @@ def replica_cpus(job: Any, index: int) -> tuple[list[int], dict[str, str]]:
     return cpus, env
 
 
-def vllm_replica(job: Any, model_path: str, index: int) -> Any:
-    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor."""
+def vllm_replica(job: Any, model_path: str, index: int, **ray_options: Any) -> Any:
+    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor;
+    `ray_options` (e.g. the `scheduling_strategy` of its bundle in the job's rollout
+    pool) go to the actor."""
     from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor
     from offbeat.rollout_vllm.server import VLLMServerConfig
 
     rt = job.runtime
     cpus, env = replica_cpus(job, index)
     engine_kwargs = engine_kwargs_of(job)
+    if "scheduling_strategy" in ray_options and job.rollout.tensor_parallel_size > 1:
+        # In a placement group vLLM would pick its Ray executor, which wants a bundle per
+        # worker; the replica's bundle holds all its devices: its own processes use them.
+        engine_kwargs.setdefault("distributed_executor_backend", "mp")
     config = VLLMServerConfig(
         model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"
     )
@@ -104,6 +110,7 @@ def vllm_replica(job: Any, model_path: str, index: int) -> Any:
         num_cpus=rt.rollout_num_cpus,
         num_gpus=rt.rollout_num_gpus,
         runtime_env={"env_vars": env},
+        **ray_options,
     )
     # The proxy knows the version the replica starts with: reading it never asks the actor.
     return RemoteRolloutServer(handle, weight_version=config.weight_version)

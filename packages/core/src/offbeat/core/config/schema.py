@@ -40,7 +40,7 @@ class ResourceConfig:
     device: str = "cpu"  # a name in offbeat.core.registry.DEVICES
     num_nodes: int = 1
     devices_per_node: int = 2
-    trainer_devices: int = 1  # must add up with rollout_devices; 1 until the distributed trainer
+    trainer_devices: int = 1  # data-parallel trainer ranks; adds up with rollout_devices
     rollout_devices: int = 1
 
     @property

@@ -3,7 +3,7 @@
 Three kinds of rule live here, all registered with `@check`:
 
 * features the schema names but nothing builds yet (a critic, a reference model, a
-  trainer of more than one process): rejected naming the missing piece. When a piece
+  trainer of several ranks outside a job's runtime): rejected naming the missing piece. When a piece
   lands, delete its lines in `_not_built_yet` and nothing else;
 * settings of a feature that is switched off (GAE's gamma with GRPO, `critic.*` without a
   critic, the KL loss's coefficient without the KL loss, ...): a non-default value would
@@ -67,12 +67,13 @@ def _not_built_yet(cfg: Any, p: Problems) -> None:
             al.use_kl_loss,
             "needs reference-model log-probs and there is no reference model yet; set false",
         )
-    if type(r.trainer_devices) is int and r.trainer_devices > 1:
+    if type(r.trainer_devices) is int and r.trainer_devices > 1 and not hasattr(cfg, "runtime"):
         p.add(
             "resources.trainer_devices",
             r.trainer_devices,
-            "the trainer is one process on one device until the distributed trainer lands: "
-            "set 1 and give the other devices to resources.rollout_devices",
+            "several trainer ranks run as the job's worker group, which a config without a "
+            "runtime section (a bare JobConfig, not a recipe's RunConfig) does not start: "
+            "set 1, or run it as a recipe",
         )
     if a.engine == "fsdp2":
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):

@@ -28,9 +28,12 @@ from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
-from offbeat.core.registry import ROLLOUT_ENGINES, TRAIN_ENGINES
+from offbeat.core.registry import ROLLOUT_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
 from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
+from offbeat.core.runtime import checks as _runtime_checks  # noqa: F401  (registers its rules)
+from offbeat.core.runtime.launch import replica_options, start_pools, start_trainer
+from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
@@ -57,6 +60,15 @@ class RuntimeConfig:
     rollout_cpus: list[int] = field(default_factory=list)
     rollout_num_cpus: float = 1.0  # Ray CPUs per rollout replica actor
     rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
+    # The trainer: null (auto) runs one rank on a local one-node Ray in this process (no
+    # actor); otherwise resources.trainer_devices rank actors on the trainer pool.
+    trainer_in_driver: bool | None = None
+    trainer_num_cpus: float = 1.0  # Ray CPUs per trainer rank (its pool bundle)
+    # Extra custom Ray resources each bundle of a pool asks for (pins a pool to the nodes
+    # that offer them, e.g. {trainer_node: 1}).
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    placement_timeout_s: float = 120.0  # the pools must be placed within this
     rollout_env: dict[str, str] = field(
         default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     )
@@ -269,8 +281,8 @@ def split_gpus(cfg: RunConfig) -> int | None:
     (the replicas') and this process, the trainer, takes the next one; returns the GPUs
     Ray may hand out (None: nothing to split). A Ray cluster that is joined places replicas
     on whatever GPUs it has: start it without the trainer's GPU."""
-    if cfg.resources.device != "cuda" or cfg.runtime.ray_address:
-        return None
+    if cfg.resources.device != "cuda" or cfg.runtime.ray_address or not _trainer_in_driver(cfg):
+        return None  # a trainer group takes its GPUs from the trainer pool
     torch.cuda.set_device(cfg.resources.rollout_devices)
     return cfg.resources.rollout_devices
 
@@ -438,24 +450,26 @@ def run_header(p: Prepared, replicas: int, ready_s: float) -> str:
     ) + "".join(f"; {n}" for n in p.notes)
 
 
-def start_replicas(p: Prepared) -> dict[str, Any]:
-    """Start every rollout replica (not awaited: they come up while the trainer builds)."""
+def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
+    """Start every rollout replica (not awaited: they come up while the trainer builds),
+    each in its bundle of `pools`' rollout pool when given."""
     cfg = p.cfg
     factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     n = cfg.resources.rollout_devices // cfg.rollout.tensor_parallel_size
-    return {f"rollout-{i}": factory(cfg, str(p.model_dir), i) for i in range(n)}
+    model = str(p.model_dir)
+    return {f"rollout-{i}": factory(cfg, model, i, **replica_options(pools, i)) for i in range(n)}
 
 
 async def run_with_replicas(
-    p: Prepared, servers: dict[str, Any], *, version_offset: int | None = None
+    p: Prepared, servers: dict[str, Any], *, version_offset: int | None = None, pools: Any = None
 ) -> dict[str, Any]:
     """Build the trainer side around running `servers` and train to the end.
 
-    `version_offset=None` reads the version the replicas hold (0 for fresh ones)."""
+    `version_offset=None` reads the version the replicas hold (0 for fresh ones). A trainer
+    group goes into `pools`' trainer pool, or into a pool of its own made here."""
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
-    from offbeat.ckpt_engine import CheckpointEngineManager
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
@@ -473,8 +487,16 @@ async def run_with_replicas(
     servers = dict(servers)
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    # The train engine builds while the replicas start.
-    engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
+    own_pools = None
+    if not _trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
+        pools = own_pools = await start_pools(cfg, rollout=False)
+    try:  # the train engine builds while the replicas start
+        side = await start_trainer(cfg, pools)
+    except BaseException:
+        if own_pools is not None:
+            own_pools.remove()
+        raise
+    engine = side.engine
     tokenizer = AutoTokenizer.from_pretrained(
         cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
     )
@@ -485,7 +507,7 @@ async def run_with_replicas(
 
     balancer = AsyncLoadBalancer(dict(servers))
     client = PartialRolloutClient(balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens))
-    manager = CheckpointEngineManager(rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s)
+    manager = side.manager
     try:
         rewards = reward_registry(cfg)
         s = cfg.async_training
@@ -542,7 +564,9 @@ async def run_with_replicas(
             tracker.close()
         plot = tracker.plot()
     finally:
-        manager.close()
+        await side.close()
+        if own_pools is not None:
+            own_pools.remove()
     summary.update(
         {
             "run_dir": str(run_dir),
@@ -563,11 +587,15 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
     init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
-    servers = start_replicas(p)
+    pools = await start_pools(p.cfg)
     try:
-        summary = await run_with_replicas(p, servers, version_offset=0)
+        servers = start_replicas(p, pools)
+        try:
+            summary = await run_with_replicas(p, servers, version_offset=0, pools=pools)
+        finally:
+            await shutdown_replicas(servers)
     finally:
-        await shutdown_replicas(servers)
+        pools.remove()
     summary["total_wall_s"] = time.perf_counter() - t0
     return summary
 

@@ -8,7 +8,8 @@ during the update (the buffer admits `1 + num_warmup_batches` batches ahead; a s
 interrupts in-flight requests, which the client resumes on the new weights); in `sync`
 the buffer admits one batch at a time, so generation and training alternate.
 
-Knows nothing about the concrete engines: it drives a `TrainEngine`, a `ReplicaPool`
+Knows nothing about the concrete engines: it drives a `TrainEngine` (or a trainer group
+whose calls are coroutines), a `ReplicaPool`
 (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
 phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`).
 Step hooks see each trained batch and may add metrics (rollout record and replay).
@@ -17,6 +18,7 @@ Step hooks see each trained batch and may add metrics (rollout record and replay
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import resource
 import time
@@ -324,6 +326,8 @@ class Trainer:
         tokens0 = self.driver.tokens_generated
         await self.buffer.begin_step(step)
         self.step = step
+        if hasattr(self.engine, "begin_step"):  # a trainer group names the step in errors
+            self.engine.begin_step(step)
 
         t0 = time.perf_counter()
         with trace.span("generate_wait"):
@@ -337,7 +341,7 @@ class Trainer:
         if s.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
             with trace.span("old_log_prob"):
-                data["old_log_probs"] = await asyncio.to_thread(
+                data["old_log_probs"] = await _call(
                     self.engine.compute_log_probs, data, s.temperature
                 )
         old_lp_s = time.perf_counter() - t0
@@ -350,7 +354,7 @@ class Trainer:
                 for k in range(s.parameter_sync_step):
                     mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
                     with trace.span("mini-batch", index=k, epoch=epoch):
-                        update_metrics.append(await asyncio.to_thread(self.engine.update, mb))
+                        update_metrics.append(await _call(self.engine.update, mb))
         train_s = time.perf_counter() - t0
 
         # The last validation must see only its own version: finish it before syncing.
@@ -409,6 +413,14 @@ class Trainer:
         for hook in self.step_hooks:
             hook.after_step(step, groups, batch, metrics)
         return metrics
+
+
+async def _call(method: Any, *args: Any) -> Any:
+    """An engine call off the event loop: awaited when the engine's method is a coroutine
+    (a TrainerGroup awaits its ranks), else run in a worker thread."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    return await asyncio.to_thread(method, *args)
 
 
 def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:

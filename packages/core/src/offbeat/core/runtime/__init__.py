@@ -1,0 +1,56 @@
+"""The distributed runtime: resource pools on Ray placement groups, the trainer as a
+worker group of data-parallel rank actors, and weight sync from that group."""
+
+from offbeat.core.runtime.group import (
+    TrainerGroup,
+    TrainerRankFailed,
+    merge_rank_metrics,
+    split_by_tokens,
+)
+from offbeat.core.runtime.launch import (
+    TrainerSide,
+    replica_options,
+    start_pools,
+    start_trainer,
+    trainer_in_driver,
+)
+from offbeat.core.runtime.pools import (
+    DEVICE_RESOURCES,
+    PlacementError,
+    PoolSpec,
+    ResourcePools,
+    check_fit,
+    pool_specs,
+)
+from offbeat.core.runtime.rank import TrainerRank
+from offbeat.core.runtime.weight_sync import (
+    GroupCheckpointEngine,
+    GroupSenderBackend,
+    group_backend_options,
+)
+
+__all__ = [  # noqa: RUF022 (grouped by concept)
+    # resource pools
+    "DEVICE_RESOURCES",
+    "PlacementError",
+    "PoolSpec",
+    "ResourcePools",
+    "check_fit",
+    "pool_specs",
+    # the trainer worker group
+    "TrainerGroup",
+    "TrainerRank",
+    "TrainerRankFailed",
+    "merge_rank_metrics",
+    "split_by_tokens",
+    # weight sync from the group
+    "GroupCheckpointEngine",
+    "GroupSenderBackend",
+    "group_backend_options",
+    # what a job starts
+    "TrainerSide",
+    "replica_options",
+    "start_pools",
+    "start_trainer",
+    "trainer_in_driver",
+]

@@ -1,0 +1,120 @@
+"""What a job starts from `resources`: its resource pools, and the trainer on them.
+
+`start_pools` reserves the trainer pool (one bundle per rank) and the rollout pool (one
+bundle per replica), plus any named pools a recipe declares. `start_trainer` returns the
+train engine the loop drives and the checkpoint engine that syncs its weights: with the
+trainer in the driver (one rank on a local Ray, the cheapest path) a plain engine and a
+`CheckpointEngineManager`; otherwise a `TrainerGroup` of `resources.trainer_devices`
+rank actors on the trainer pool and a `GroupCheckpointEngine` whose sender is rank 0.
+
+Knows the job config's resource and runtime keys, the pools and the group; nothing of
+the rollout engines or the training loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from offbeat.core.runtime.group import TrainerGroup
+from offbeat.core.runtime.pools import DEVICE_RESOURCES, PoolSpec, ResourcePools, pool_specs
+
+__all__ = ["TrainerSide", "replica_options", "start_pools", "start_trainer", "trainer_in_driver"]
+
+
+def trainer_in_driver(cfg: Any) -> bool:
+    """`runtime.trainer_in_driver`, or when null: one trainer rank on a local one-node Ray
+    runs in the driver (no actor, no pool bundle); anything else is a worker group."""
+    rt, r = cfg.runtime, cfg.resources
+    if rt.trainer_in_driver is not None:
+        return bool(rt.trainer_in_driver)
+    return r.trainer_devices == 1 and r.num_nodes == 1 and not rt.ray_address
+
+
+async def start_pools(
+    cfg: Any, extra: Sequence[PoolSpec] = (), *, rollout: bool = True
+) -> ResourcePools:
+    """Reserve the job's pools (awaited): the trainer's unless it runs in the driver, the
+    rollout's unless `rollout=False`, then `extra` (a recipe's named pools), in order."""
+    specs = pool_specs(cfg, trainer=not trainer_in_driver(cfg))
+    if not rollout:
+        specs = [s for s in specs if s.name != "rollout"]
+    return await ResourcePools.create([*specs, *extra], timeout_s=cfg.runtime.placement_timeout_s)
+
+
+def replica_options(pools: ResourcePools | None, index: int) -> dict[str, Any]:
+    """Ray options that put rollout replica `index` into its bundle of the rollout pool."""
+    if pools is None or "rollout" not in pools.groups:
+        return {}
+    return {"scheduling_strategy": pools.strategy("rollout", index)}
+
+
+def _rank_options(cfg: Any, pools: ResourcePools) -> list[dict[str, Any]]:
+    rt, device = cfg.runtime, cfg.resources.device
+    order = pools.bundle_order("trainer")
+    out = []
+    for r in range(cfg.resources.trainer_devices):
+        o: dict[str, Any] = {
+            "num_cpus": rt.trainer_num_cpus,
+            "scheduling_strategy": pools.strategy("trainer", order[r]),
+        }
+        if DEVICE_RESOURCES.get(device) == "GPU":
+            o["num_gpus"] = 1
+        elif device in DEVICE_RESOURCES:
+            o["resources"] = {DEVICE_RESOURCES[device]: 1}
+        out.append(o)
+    return out
+
+
+@dataclass
+class TrainerSide:
+    """The loop's engine (a TrainEngine or a TrainerGroup), the checkpoint engine that
+    syncs it, and the group when there is one."""
+
+    engine: Any
+    manager: Any
+    group: TrainerGroup | None = None
+
+    async def close(self) -> None:
+        """Close the checkpoint engine (on rank 0 for a group: its shm files or store go
+        with it), then stop the ranks."""
+        if self.group is None:
+            self.manager.close()
+            return
+        await self.manager.aclose()
+        self.group.shutdown()
+
+
+async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
+    """The trainer of `cfg` (a prepared RunConfig) and its checkpoint engine; the group's
+    ranks go into `pools`' trainer pool, which must exist unless the trainer runs in the
+    driver."""
+    from offbeat.ckpt_engine import CheckpointEngineManager
+    from offbeat.core.cpus import share_of
+    from offbeat.core.registry import TRAIN_ENGINES
+    from offbeat.core.runtime.weight_sync import GroupCheckpointEngine, group_backend_options
+
+    rt = cfg.runtime
+    if trainer_in_driver(cfg):
+        engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
+        manager = CheckpointEngineManager(rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s)
+        return TrainerSide(engine, manager)
+    if pools is None or "trainer" not in pools.groups:
+        raise ValueError("start_trainer: the trainer runs as a worker group and needs its pool")
+    n = cfg.resources.trainer_devices
+    cpus = [share_of(rt.trainer_cpus, n, r) if rt.trainer_cpus else [] for r in range(n)]
+    group = await TrainerGroup.start(
+        cfg, n, options=_rank_options(cfg, pools), cpus=cpus, seed=cfg.trainer.seed,
+        threads=rt.trainer_threads,
+    )  # fmt: skip
+    group.call_timeout_s = rt.stall_timeout_s
+    try:
+        manager = GroupCheckpointEngine(
+            group, rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s,
+            backend_options=group_backend_options(rt.ckpt_backend, group, cfg.resources.device),
+        )  # fmt: skip
+    except BaseException:
+        group.shutdown()
+        raise
+    return TrainerSide(group, manager, group)

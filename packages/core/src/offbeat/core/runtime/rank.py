@@ -1,0 +1,143 @@
+"""One data-parallel trainer rank, as it runs inside its Ray actor.
+
+A `TrainerRank` builds the policy's train engine from the `TRAIN_ENGINES` registry
+(`actor.engine`, so any registered engine joins the same group), after joining the
+torch.distributed group that rank 0 published (env:// variables). It runs what the
+driver's `TrainerGroup` fans out: updates and log-probs on its shard of a batch, sharded
+save/load, and its part of a weight sync, where rank 0 is the checkpoint engine's
+sender and every rank takes part in each parameter's gather (nothing goes through the
+driver). Knows nothing about the other ranks beyond the rendezvous address, nor about
+the replicas it sends to.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+__all__ = ["TrainerRank"]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class TrainerRank:
+    """`rank` of `world` ranks; `cpus` confines this process (empty: no confinement).
+    Call `address()` on rank 0 first, then `build(...)` on every rank at once."""
+
+    def __init__(self, rank: int, world: int, cpus: list[int] | None = None) -> None:
+        self.rank, self.world = rank, world
+        self.engine: Any = None
+        self._backend: Any = None  # rank 0: the checkpoint-engine backend, kept across syncs
+        self._sender: Any = None
+        if cpus:
+            from offbeat.core.cpus import pin_process
+
+            pin_process(cpus)
+
+    # ---- setup -------------------------------------------------------------------------
+    def address(self) -> tuple[str, int]:
+        """Rank 0: (this node's IP, a free port) for the others to rendezvous at."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, _free_port(host)
+
+    def build(self, job: Any, master: tuple[str, int], seed: int, threads: int) -> dict:
+        """Join the process group at `master` and build `job`'s actor engine."""
+        import torch
+
+        from offbeat.core.registry import TRAIN_ENGINES
+
+        os.environ.update(
+            {
+                "MASTER_ADDR": master[0],
+                "MASTER_PORT": str(master[1]),
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world),
+                "LOCAL_RANK": "0",  # Ray shows each rank only its own device
+                "LOCAL_WORLD_SIZE": "1",
+            }
+        )
+        torch.manual_seed(seed)
+        torch.set_num_threads(threads)
+        self.engine = TRAIN_ENGINES.get(job.actor.engine).from_job_config(job)
+        return {"rank": self.engine.dp_rank, "size": self.engine.dp_size, "pid": os.getpid()}
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    # ---- training ------------------------------------------------------------------------
+    def update(self, shard: dict, temperature: float | None = None) -> dict[str, float]:
+        return self.engine.update(shard, temperature)
+
+    def compute_log_probs(self, shard: dict, temperature: float | None = None) -> Any:
+        return self.engine.compute_log_probs(shard, temperature)
+
+    def lr(self) -> float:
+        return float(self.engine.lr)
+
+    def global_update_count(self) -> int:
+        return int(self.engine.global_update_count)
+
+    def save(self, path: str) -> None:
+        self.engine.save(path)
+
+    def load(self, path: str) -> None:
+        self.engine.load(path)
+
+    # ---- weight sync ---------------------------------------------------------------------
+    def open_sender(self, backend: str, options: dict[str, Any], kwargs: dict[str, Any]) -> list:
+        """Rank 0: open the sending end of one sync with the registered `backend` (built
+        once, with `options`, and kept: its buffers or process groups serve every sync);
+        return every receiver's spec."""
+        from offbeat.ckpt_engine import get_backend
+
+        if self._backend is None:
+            self._backend = get_backend(backend)(**options)
+        self._sender = self._backend.open_sender(**kwargs)
+        return [self._sender.spec(r) for r in range(kwargs["num_receivers"])]
+
+    def send_weights(self) -> Any:
+        """Every rank: iterate the engine's export to the end (each parameter's gather is a
+        collective); rank 0 streams what it gathers into the open sender and returns its
+        report. An engine with `gather_weights(dst)` gathers onto rank 0 alone (the other
+        ranks send their shards and hold no full tensor); else every rank gathers each
+        parameter and the others drop it. Rank 0 drains the export even when the send
+        stops early, so the other ranks are never left in a gather."""
+        gather = getattr(self.engine, "gather_weights", None)
+        stream = gather(0) if gather is not None else self.engine.export_weights()
+        if self.rank != 0:
+            for _ in stream:
+                pass
+            return None
+        if self._sender is None:
+            raise RuntimeError("send_weights on rank 0 without an open sender")
+        try:
+            return self._sender.send(stream)
+        finally:
+            self._sender = None
+            for _ in stream:
+                pass
+
+    def drop_receiver(self, rank: int, reason: str) -> None:
+        if self._sender is not None:
+            self._sender.drop(rank, reason)
+
+    def abort_send(self, reason: str) -> None:
+        if self._sender is not None:
+            self._sender.abort(reason)
+
+    def close_backend(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+
+    def __repr__(self) -> str:  # Ray prints it in log prefixes
+        return f"TrainerRank({self.rank}/{self.world})"
