@@ -7,6 +7,7 @@ loss aggregation modes and KL estimators (k1, k2, k3) in `offbeat.core.registry`
 
 from offbeat.core.algorithms.advantages import (
     compute_advantages,
+    explained_variance,
     gae_advantages,
     grpo_advantages,
     masked_whiten,
@@ -36,6 +37,7 @@ __all__ = [
     "decoupled_ppo_loss",
     "entropy_from_logits",
     "entropy_loss",
+    "explained_variance",
     "gae_advantages",
     "global_normalizer",
     "grpo_advantages",
