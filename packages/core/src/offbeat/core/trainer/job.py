@@ -3,7 +3,8 @@ train engine, the checkpoint engine, and the training loop.
 
 Knows no engine by name: rollout replicas come from the factory registered in
 `ROLLOUT_ENGINES` under `rollout.engine` (offbeat.rollout_vllm provides "vllm"; a recipe
-may register it), the train engine from `TRAIN_ENGINES` under `actor.engine`. Safe
+may register it), the train engine from `TRAIN_ENGINES` under `actor.engine` (and the
+critic under `critic.engine`, the reference model under `actor.engine`, when needed). Safe
 defaults: Ray starts locally with its dashboard off and binds to loopback; peak memory of
 the trainer and of every replica's process tree is reported each step.
 """
@@ -457,6 +458,7 @@ async def run_with_replicas(
     from offbeat.core.tasks import PromptDataLoader, read_parquet
     from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
     from offbeat.core.trainer.checkpoint import CheckpointManager
+    from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
     from offbeat.core.trainer.rollout import RolloutDriver
     from offbeat.core.trainer.tracking import MetricsTracker
@@ -468,8 +470,10 @@ async def run_with_replicas(
     servers = dict(servers)
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    # The train engine builds while the replicas start.
+    # The train engine builds while the replicas start (and the critic and reference
+    # model, when the algorithm needs them, in the same process: critic.placement=actor).
     engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
+    critic_ref = CriticAndReference.from_job(cfg)
     tokenizer = AutoTokenizer.from_pretrained(
         cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
     )
@@ -521,7 +525,7 @@ async def run_with_replicas(
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
-            version_offset=version_offset, tracer=tracer,
+            version_offset=version_offset, tracer=tracer, critic_ref=critic_ref,
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s))
         try:

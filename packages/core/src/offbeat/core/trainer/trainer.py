@@ -27,6 +27,7 @@ import torch
 from offbeat.core import trace
 from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
+from offbeat.core.config.support import needs_critic
 from offbeat.core.data import TrajectoryBatch
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from offbeat.core.trainer.replicas import ReplicaPool
@@ -93,21 +94,22 @@ def build_train_batch(
     dict the train engine reads, with advantages."""
     trajectories = [t for g in groups for t in g.trajectories]
     batch = TrajectoryBatch.pad(trajectories, pad_token_id=s.pad_token_id)
-    advantages, _ = compute_advantages(
-        s.adv_estimator,
-        rewards=batch.rewards,
-        response_mask=batch.response_mask,
-        group_uids=batch.group_uids,
-        norm_by_std=s.norm_adv_by_std_in_grpo,
-    )
     data = {
         "input_ids": torch.cat([batch.prompt_ids, batch.response_ids], dim=1),
         "attention_mask": torch.cat([batch.prompt_mask, batch.response_mask], dim=1),
         "response_mask": batch.response_mask,
-        "advantages": advantages.float(),
         "rollout_log_probs": batch.rollout_log_probs,
         "old_log_probs": batch.rollout_log_probs,
     }
+    if not needs_critic(s.adv_estimator):  # GAE's come with the critic's values
+        advantages, _ = compute_advantages(
+            s.adv_estimator,
+            rewards=batch.rewards,
+            response_mask=batch.response_mask,
+            group_uids=batch.group_uids,
+            norm_by_std=s.norm_adv_by_std_in_grpo,
+        )
+        data["advantages"] = advantages.float()
     return batch, data
 
 
@@ -146,6 +148,7 @@ class Trainer:
         rollout_memory: Any = None,
         version_offset: int = 0,
         tracer: trace.Tracer | None = None,
+        critic_ref: Any = None,
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -169,6 +172,9 @@ class Trainer:
         self._val_task: asyncio.Task | None = None
         self.sync_results: list[Any] = []
         self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
+        # The critic and/or reference model (offbeat.core.trainer.ppo.CriticAndReference).
+        self.critic_ref = critic_ref
+        self._others = critic_ref.engines() if critic_ref is not None else {}
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -183,6 +189,7 @@ class Trainer:
             "rng": rng_state(),
             "trained_uids": list(self.trained_uids),
             "evicted_uids": list(self.evicted_uids),
+            "critic_ref": self.critic_ref.state() if self.critic_ref is not None else None,
         }
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -194,6 +201,8 @@ class Trainer:
         set_rng_state(state["rng"])
         self.trained_uids = list(state.get("trained_uids", []))
         self.evicted_uids = list(state.get("evicted_uids", []))
+        if self.critic_ref is not None and state.get("critic_ref") is not None:
+            self.critic_ref.load_state(state["critic_ref"])
 
     async def _save(self) -> None:
         """Save in a worker thread: the rollout keeps generating meanwhile. The state is
@@ -201,7 +210,9 @@ class Trainer:
         if self.checkpoints is None:
             return
         state = self.state()
-        path = await asyncio.to_thread(self.checkpoints.save, self.step, self.engine, state)
+        path = await asyncio.to_thread(
+            self.checkpoints.save, self.step, self.engine, state, others=self._others
+        )
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
     # ---- validation ----------------------------------------------------------------------
@@ -233,7 +244,9 @@ class Trainer:
         s = self.s
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
-            state = await asyncio.to_thread(self.checkpoints.load, path, self.engine)
+            state = await asyncio.to_thread(
+                self.checkpoints.load, path, self.engine, others=self._others
+            )
             self._restore(state)
             start = self.step + 1
             self.tracker.event(f"resumed from {path} at step {start} (version {self.version})")
@@ -333,6 +346,9 @@ class Trainer:
                     self.engine.compute_log_probs, data, s.temperature
                 )
         old_lp_s = time.perf_counter() - t0
+        extra: dict[str, float] = {}
+        if self.critic_ref is not None:  # ref log-probs, KL in the reward, values, GAE
+            extra = await self.critic_ref.prepare(data, batch.rewards, batch.group_uids)
 
         t0 = time.perf_counter()
         rows_per_mb = s.ppo_mini_batch_size * s.n
@@ -344,6 +360,10 @@ class Trainer:
                     with trace.span("mini-batch", index=k, epoch=epoch):
                         update_metrics.append(await asyncio.to_thread(self.engine.update, mb))
         train_s = time.perf_counter() - t0
+        if self.critic_ref is not None:
+            extra.update(
+                await self.critic_ref.update_critic(data, rows_per_mb, s.parameter_sync_step)
+            )
 
         # The last validation must see only its own version: finish it before syncing.
         await self._finish_validation()
@@ -396,6 +416,7 @@ class Trainer:
         for phase, secs in result.phase_s.items():
             metrics[f"timing/sync_{phase}_s"] = secs
         metrics.update(_merge_updates(update_metrics))
+        metrics.update(extra)
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
         return metrics
