@@ -174,7 +174,6 @@ class Trainer:
         self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
         # The critic and/or reference model (offbeat.core.trainer.ppo.CriticAndReference).
         self.critic_ref = critic_ref
-        self._others = critic_ref.engines() if critic_ref is not None else {}
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -191,6 +190,10 @@ class Trainer:
             "evicted_uids": list(self.evicted_uids),
             "critic_ref": self.critic_ref.state() if self.critic_ref is not None else None,
         }
+
+    def _other_engines(self) -> dict[str, Any]:
+        """Engines a checkpoint holds beside the actor's (the critic)."""
+        return self.critic_ref.engines() if self.critic_ref is not None else {}
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -211,7 +214,7 @@ class Trainer:
             return
         state = self.state()
         path = await asyncio.to_thread(
-            self.checkpoints.save, self.step, self.engine, state, others=self._others
+            self.checkpoints.save, self.step, self.engine, state, others=self._other_engines()
         )
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
@@ -245,7 +248,7 @@ class Trainer:
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
             state = await asyncio.to_thread(
-                self.checkpoints.load, path, self.engine, others=self._others
+                self.checkpoints.load, path, self.engine, others=self._other_engines()
             )
             self._restore(state)
             start = self.step + 1
