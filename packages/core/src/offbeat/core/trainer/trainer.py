@@ -192,8 +192,10 @@ class Trainer:
         }
 
     def _other_engines(self) -> dict[str, Any]:
-        """Engines a checkpoint holds beside the actor's (the critic)."""
-        return self.critic_ref.engines() if self.critic_ref is not None else {}
+        """`others=` for the checkpoint manager: engines saved beside the actor's (the
+        critic); no keyword at all without them."""
+        others = self.critic_ref.engines() if self.critic_ref is not None else {}
+        return {"others": others} if others else {}
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -214,7 +216,7 @@ class Trainer:
             return
         state = self.state()
         path = await asyncio.to_thread(
-            self.checkpoints.save, self.step, self.engine, state, others=self._other_engines()
+            self.checkpoints.save, self.step, self.engine, state, **self._other_engines()
         )
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
@@ -248,7 +250,7 @@ class Trainer:
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
             state = await asyncio.to_thread(
-                self.checkpoints.load, path, self.engine, others=self._other_engines()
+                self.checkpoints.load, path, self.engine, **self._other_engines()
             )
             self._restore(state)
             start = self.step + 1
