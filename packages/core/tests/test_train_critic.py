@@ -165,3 +165,29 @@ def test_reference_log_probs_equal_the_actors_at_version_0_and_stay_frozen(model
     assert not torch.allclose(actor.compute_log_probs(b), at_start, atol=1e-4)
     torch.testing.assert_close(ref.compute_log_probs(b), at_start, atol=0, rtol=0)
     assert ref.config.micro_batch_size == job.ref.log_prob_micro_batch_size_per_device
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_reference_with_cpu_offload_matches_and_critic_trains(model_dir):
+    """On CUDA: a reference model with `offload_params` (FSDP2 CPUOffloadPolicy) keeps its
+    parameters in host memory and gives the same log-probs as one on the GPU; the critic
+    trains on the GPU (its value loss falls on a fixed batch)."""
+    if dist.is_initialized():  # a CPU-only group from the tests above cannot run nccl
+        dist.destroy_process_group()
+    job = job_config(model_dir, use_kl_loss=True, adv_estimator="gae")
+    job.resources.device = "cuda"
+    job.critic.lr = 3e-3
+    on_gpu = build_reference_engine(job)
+    job.ref.param_offload = True
+    offloaded = build_reference_engine(job)
+    assert all(p.device.type == "cpu" for p in offloaded.model.parameters())
+    assert all(p.device.type == "cuda" for p in on_gpu.model.parameters())
+    batch = make_batch(8, seed=3)
+    torch.testing.assert_close(
+        offloaded.compute_log_probs(batch), on_gpu.compute_log_probs(batch), atol=1e-5, rtol=0
+    )
+    critic = build_critic_engine(job)
+    data = value_batch(critic)
+    losses = [critic.update(data)["critic/vf_loss"] for _ in range(4)]
+    assert losses[-1] < losses[0], losses

@@ -156,3 +156,10 @@ async def test_resume_without_critic_state_fails_clearly(tmp_path):
     h2 = harness(tmp_path, parts(), total_training_steps=2, resume=True)
     with pytest.raises(FileNotFoundError, match="holds no critic state"):
         await h2.run()
+
+
+async def test_gae_without_a_critic_fails_before_training(tmp_path):
+    h = Harness(tmp_path, adv_estimator="gae")
+    with pytest.raises(ValueError, match="needs a critic"):
+        await h.run()
+    assert h.engine.updates == 0
