@@ -470,10 +470,8 @@ async def run_with_replicas(
     servers = dict(servers)
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    # The train engine builds while the replicas start (and the critic and reference
-    # model, when the algorithm needs them, in the same process: critic.placement=actor).
+    # The train engine builds while the replicas start.
     engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
-    critic_ref = CriticAndReference.from_job(cfg)
     tokenizer = AutoTokenizer.from_pretrained(
         cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
     )
@@ -521,6 +519,9 @@ async def run_with_replicas(
             else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
         )
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
+        # The critic and the reference model, when the algorithm needs them, in this process
+        # beside the actor (critic.placement=actor, ref.placement=actor).
+        critic_ref = CriticAndReference.from_job(cfg)
         tracer = make_tracer(cfg.trainer, run_dir)
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
