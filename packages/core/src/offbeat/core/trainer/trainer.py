@@ -94,22 +94,26 @@ def build_train_batch(
     dict the train engine reads, with advantages."""
     trajectories = [t for g in groups for t in g.trajectories]
     batch = TrajectoryBatch.pad(trajectories, pad_token_id=s.pad_token_id)
-    data = {
-        "input_ids": torch.cat([batch.prompt_ids, batch.response_ids], dim=1),
-        "attention_mask": torch.cat([batch.prompt_mask, batch.response_mask], dim=1),
-        "response_mask": batch.response_mask,
-        "rollout_log_probs": batch.rollout_log_probs,
-        "old_log_probs": batch.rollout_log_probs,
-    }
-    if not needs_critic(s.adv_estimator):  # GAE's come with the critic's values
-        advantages, _ = compute_advantages(
+    # GAE's advantages come with the critic's values (CriticAndReference.prepare fills them).
+    advantages = (
+        torch.zeros_like(batch.rollout_log_probs)
+        if needs_critic(s.adv_estimator)
+        else compute_advantages(
             s.adv_estimator,
             rewards=batch.rewards,
             response_mask=batch.response_mask,
             group_uids=batch.group_uids,
             norm_by_std=s.norm_adv_by_std_in_grpo,
-        )
-        data["advantages"] = advantages.float()
+        )[0]
+    )
+    data = {
+        "input_ids": torch.cat([batch.prompt_ids, batch.response_ids], dim=1),
+        "attention_mask": torch.cat([batch.prompt_mask, batch.response_mask], dim=1),
+        "response_mask": batch.response_mask,
+        "advantages": advantages.float(),
+        "rollout_log_probs": batch.rollout_log_probs,
+        "old_log_probs": batch.rollout_log_probs,
+    }
     return batch, data
 
 
