@@ -26,6 +26,7 @@ from offbeat.core.train import (
     build_reference_engine,
     build_value_model,
 )
+from offbeat.core.train.critic import critic_engine_config
 
 EPS = 1e-3  # Adam's eps: a rounding difference in a near-zero gradient cannot flip a step
 
@@ -125,6 +126,8 @@ def test_registry_builds_the_critic_from_critic_keys(model_dir):
     assert c.optim.warmup_updates == 2 and c.optim.total_updates == 4 * 1 * 2
     assert engine.lr == pytest.approx(3e-4 / 2)  # first warm-up step
     assert engine._loss_fn.config.cliprange_value == 0.3
+    job.critic.model_path = "/models/my-critic"  # its own initial weights when given
+    assert critic_engine_config(job).model_path == "/models/my-critic"
     # the backbone starts from the actor's checkpoint; the head is new and scalar
     actor = FSDP2TrainEngine(FSDP2Config(model_path=str(model_dir), device="cpu"))
     actor_params = dict(actor.export_weights())
