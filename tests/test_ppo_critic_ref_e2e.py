@@ -36,7 +36,7 @@ from offbeat.core.trainer.job import (  # noqa: E402
 
 RUN_STEPS = 10
 RESUMED_STEPS = 12
-KL_BOUND = 0.5  # far below the clamp (10): the KL loss and penalty keep the policy close
+KL_BOUND = 1.0  # far below the clamp (10); the run reads at most ~0.2
 
 
 def overrides(tmp: Path, *extra: str) -> list[str]:
@@ -125,10 +125,14 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world):
     assert sum(ev[-k:]) / k > sum(ev[:k]) / k, ev
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "actor/kl_loss"):
         assert all(key in r for r in rows), key
-    # KL to the reference positive (k3 >= 0; above 0 once the actor moved) and bounded
+    # KL to the reference positive and bounded. The first batches were sampled by version
+    # 0, the reference itself (k3 of equal log-probs is 0 up to float32 rounding, ~1e-9);
+    # from step 3 on the samples come from trained weights (staleness <= 1) and the KL is
+    # clearly above 0.
     kl = [r["actor/kl"] for r in rows]
-    assert all(0.0 <= x < KL_BOUND for x in kl), kl
-    assert all(x > 0.0 for x in kl[1:]), kl
+    print(f"explained variance {ev}\nKL {kl}\nkl_coef {[r['actor/kl_coef'] for r in rows]}")
+    assert all(-1e-6 < x < KL_BOUND for x in kl), kl
+    assert all(x > 1e-4 for x in kl[2:]), kl
     # KL above the (tiny) target: the adaptive coefficient rose
     coefs = [r["actor/kl_coef"] for r in rows]
     assert coefs[-1] > coefs[0] == pytest.approx(0.01), coefs
