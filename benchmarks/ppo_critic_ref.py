@@ -45,7 +45,12 @@ CRITIC = [
     "critic.lr=1e-3",
     "critic.ppo_micro_batch_size_per_device=64",
 ]
-REFERENCE = ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.001"]
+# The reference's forward in the actor's micro-batches (the recipe's actor: 64 rows).
+REFERENCE = [
+    "algorithm.use_kl_loss=true",
+    "algorithm.kl_loss_coef=0.001",
+    "ref.log_prob_micro_batch_size_per_device=64",
+]
 VARIANTS = {
     "grpo": [],
     "grpo+ref": REFERENCE,
