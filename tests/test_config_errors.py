@@ -93,6 +93,11 @@ NOT_HONOURED = [
         "resources.device=cpu keeps every weight in host memory",
     ),
     (["algorithm.kl_ctrl.type=adaptive"], "algorithm.kl_ctrl.type", "use_kl_in_reward=true"),
+    (
+        ["algorithm.use_kl_loss=true", "ref.log_prob_micro_batch_size_per_device=0"],
+        "ref.log_prob_micro_batch_size_per_device",
+        "must be an int > 0",
+    ),
     (["algorithm.kl_penalty=k3"], "algorithm.kl_penalty", "use_kl_in_reward=true"),
     (
         ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.target_kl=0.5"],

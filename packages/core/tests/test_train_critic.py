@@ -167,7 +167,10 @@ def test_reference_log_probs_equal_the_actors_at_version_0_and_stay_frozen(model
     actor.update({**b, "old_log_probs": lp, "rollout_log_probs": lp, "ref_log_probs": at_start})
     assert not torch.allclose(actor.compute_log_probs(b), at_start, atol=1e-4)
     torch.testing.assert_close(ref.compute_log_probs(b), at_start, atol=0, rtol=0)
-    assert ref.config.micro_batch_size == job.ref.log_prob_micro_batch_size_per_device
+    # ref.log_prob_micro_batch_size_per_device null: the actor's micro-batch size
+    assert ref.config.micro_batch_size == job.actor.ppo_micro_batch_size_per_device
+    job.ref.log_prob_micro_batch_size_per_device = 3
+    assert build_reference_engine(job).config.micro_batch_size == 3
 
 
 @pytest.mark.gpu

@@ -122,7 +122,8 @@ class ReferenceConfig:
 
     placement: str = "actor"  # actor | separate (not built yet), as critic.placement
     param_offload: bool = False  # keep its weights in host memory between forwards (GPUs)
-    log_prob_micro_batch_size_per_device: int = 4  # trajectories per forward
+    # trajectories per forward; None: actor.ppo_micro_batch_size_per_device
+    log_prob_micro_batch_size_per_device: int | None = None
 
 
 @dataclass

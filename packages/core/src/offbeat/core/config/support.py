@@ -231,9 +231,10 @@ def _critic_and_reference_values(cfg: Any, p: Problems) -> None:
     if needs_reference(al):
         r = cfg.ref
         p.require_choice("ref.placement", r.placement, PLACEMENTS)
-        p.require_int(
-            "ref.log_prob_micro_batch_size_per_device", r.log_prob_micro_batch_size_per_device
-        )
+        if r.log_prob_micro_batch_size_per_device is not None:
+            p.require_int(
+                "ref.log_prob_micro_batch_size_per_device", r.log_prob_micro_batch_size_per_device
+            )
         p.require_number("algorithm.kl_clamp", al.kl_clamp, low=0.0)
     if al.use_kl_in_reward is True:
         from offbeat.core.algorithms.kl_control import KL_CONTROLLERS

@@ -156,7 +156,8 @@ class FSDP2TrainEngine:
         settings (it is only ever asked for log-probs), `ref.*` micro-batches and offload."""
         config = dataclasses.replace(
             FSDP2Config.from_job_config(job),
-            micro_batch_size=job.ref.log_prob_micro_batch_size_per_device,
+            micro_batch_size=job.ref.log_prob_micro_batch_size_per_device
+            or job.actor.ppo_micro_batch_size_per_device,
             offload_params=job.ref.param_offload,
         )
         return cls(config, model=model)
