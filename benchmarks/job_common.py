@@ -20,9 +20,36 @@ import sys
 import time
 from typing import Any
 
+
 # The path before the fix: one Ray actor call per sample, the replica's processes left
 # wherever the OS puts them (only vLLM's OpenMP threads bound to the rollout core), and
 # only the driver's main thread pinned to the trainer's core.
+def old_server_config(old: bool):
+    """While active (when `old`), replicas are built as before admission control: every
+    call goes straight into vLLM (no bound on what the engine holds), so a sync aborts
+    every call the driver has sent, queued or not. Patches the class the replica factory
+    imports; the config object travels to the actor as built."""
+    import contextlib
+    import functools
+
+    import offbeat.rollout_vllm.server as server
+
+    if not old:
+        return contextlib.nullcontext()
+    real = server.VLLMServerConfig
+    patched = functools.partial(real, engine_queue=10**9)
+
+    @contextlib.contextmanager
+    def patch():
+        server.VLLMServerConfig = patched
+        try:
+            yield
+        finally:
+            server.VLLMServerConfig = real
+
+    return patch()
+
+
 OLD_PATH_OVERRIDES = [
     "runtime.rollout_cpus=[]",
     '+runtime.rollout_env.VLLM_CPU_OMP_THREADS_BIND="0"',
@@ -111,7 +138,8 @@ class JobLoad:
         else:
             pin_trainer(rt)
         self.prepared = p = await asyncio.to_thread(prepare, cfg)
-        self.servers = start_replicas(p)
+        with old_server_config(self.old_path):
+            self.servers = start_replicas(p)
         for s in self.servers.values():
             s.batched = not self.old_path
         await asyncio.gather(*(s.refresh() for s in self.servers.values()))

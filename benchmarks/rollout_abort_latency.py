@@ -20,7 +20,8 @@ job's ReplicaPool and checkpoint engine) every `--interval` s. Printed per path:
 of the sync's abort phase and of the whole sync, the median over `--runs` runs of
 `--syncs` syncs each, with the requests in flight and the load average. Paths: `new` (this
 code) and `old` (the path before the fix, selected by flag: one Ray actor call per sample,
-replica processes unconfined, only the trainer's main thread pinned).
+every call straight into vLLM with no admission bound, replica processes unconfined, only
+the trainer's main thread pinned).
 
     python benchmarks/rollout_abort_latency.py [--requests 64] [--repeats 3]
     python benchmarks/rollout_abort_latency.py --job [--paths old,new] [--runs 3]
@@ -218,7 +219,10 @@ async def job_path(path: str, args: argparse.Namespace) -> dict:
                             "phases": result.phase_s,
                             "driver_inflight": inflight,
                             "server_inflight": srv.get("inflight", -1),
-                            "pause": srv.get("pause_s", float("nan")),
+                            "server_waiting": srv.get("waiting", 0),
+                            # the old path paused the engine inside abort_all (pause_s);
+                            # the new one aborts what the engine holds (abort_s)
+                            "pause": srv.get("abort_s", srv.get("pause_s", float("nan"))),
                             "drain": srv.get("drain_s", float("nan")),
                             "lag": lag.take(),
                             "gc": gc_s,
@@ -246,8 +250,8 @@ def job_report(results: dict[str, list[dict]], args: argparse.Namespace) -> None
         "p50 / p99."
     )
     print(
-        "\n| path | abort p50 | abort p99 | sync p50 | sync p99 | in flight (driver / replica) "
-        "| replica pause / drain p50 | driver loop lag / GC p99 | load avg (1/5/15 min) per run |"
+        "\n| path | abort p50 | abort p99 | sync p50 | sync p99 | in flight (driver / "
+        "replica: in engine + waiting) | replica abort / drain p50 | driver loop lag / GC p99 | load avg (1/5/15 min) per run |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for path, runs in results.items():
@@ -261,7 +265,8 @@ def job_report(results: dict[str, list[dict]], args: argparse.Namespace) -> None
             f"| {path} | {over_runs('abort', 0.5):.0f} | {over_runs('abort', 0.99):.0f} "
             f"| {over_runs('sync', 0.5):.0f} | {over_runs('sync', 0.99):.0f} "
             f"| {med(r['driver_inflight'] for r in rows):.0f} / "
-            f"{med(r['server_inflight'] for r in rows):.0f} "
+            f"{med(r['server_inflight'] for r in rows):.0f} + "
+            f"{med(r['server_waiting'] for r in rows):.0f} "
             f"| {over_runs('pause', 0.5):.0f} / {over_runs('drain', 0.5):.0f} "
             f"| {over_runs('lag', 0.99):.0f} / {over_runs('gc', 0.99):.0f} | {loads} |"
         )

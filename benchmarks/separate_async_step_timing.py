@@ -8,8 +8,9 @@ the train work is the same every step (the same batch shape), so its spread is w
 trainer loses to processes sharing its core.
 
 Paths: `old` is the code path before the fix, selected by flag (one Ray actor call per
-sample; the replica's processes unconfined, only vLLM's OpenMP threads bound to core 0;
-only the trainer's main thread pinned to core 1); `new` is the recipe as it is.
+sample; every call straight into vLLM, no admission bound; the replica's processes
+unconfined, only vLLM's OpenMP threads bound to core 0; only the trainer's main thread
+pinned to core 1); `new` is the recipe as it is.
 
     uv run --frozen --no-sync python benchmarks/separate_async_step_timing.py \
         [--paths old,new] [--steps 15] [key=value ...]
@@ -37,7 +38,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def run_path(path: str, args: argparse.Namespace, tmp: Path) -> dict:
-    from job_common import OLD_PATH_OVERRIDES, loadavg
+    from job_common import OLD_PATH_OVERRIDES, loadavg, old_server_config
 
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.trainer.job import (
@@ -71,7 +72,8 @@ async def run_path(path: str, args: argparse.Namespace, tmp: Path) -> dict:
     else:
         pin_trainer(rt)
     p = await asyncio.to_thread(prepare, cfg)
-    servers = start_replicas(p)
+    with old_server_config(path == "old"):
+        servers = start_replicas(p)
     for s in servers.values():
         s.batched = path != "old"
     try:

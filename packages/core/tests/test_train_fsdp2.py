@@ -75,6 +75,7 @@ def make_engine(
     micro_batch_size: int = 4,
     loss: PPOLossConfig | None = None,
     device: str = "cpu",
+    engine: dict | None = None,
     **optim,
 ) -> FSDP2TrainEngine:
     defaults = {"lr": 1e-2, "weight_decay": 0.01, "grad_clip": 1.0}
@@ -83,6 +84,7 @@ def make_engine(
         device=device,
         micro_batch_size=micro_batch_size,
         optim=OptimConfig(**{**defaults, **optim}),
+        **(engine or {}),
     )
     return FSDP2TrainEngine(config, loss_fn=PPOLoss(loss or PPOLossConfig()))
 
@@ -105,6 +107,8 @@ def grads_of(engine: FSDP2TrainEngine) -> dict[str, torch.Tensor]:
 
 
 EPS = 1e-3
+# Metrics that measure the machine (memory, speed), not the update.
+TIMED = ("actor/max_memory_gb", "perf/tflops_per_device", "perf/mfu")
 
 
 def assert_same_update(got: tuple, want: tuple) -> None:
@@ -229,7 +233,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(model_dir, loss):
         assert metrics["actor/grad_norm"] == pytest.approx(ref_metrics["actor/grad_norm"], rel=1e-4)
         assert sorted(metrics) == sorted(ref_metrics)
         for name, value in ref_metrics.items():
-            if name == "actor/max_memory_gb":
+            if name in TIMED:
                 continue
             assert metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
     if "masked-IS" in loss:  # the mask mode removed tokens from the normaliser
@@ -310,7 +314,8 @@ def test_save_load_restores_model_optimizer_and_schedule(model_dir, tmp_path):
     b.load(str(ckpt))
     assert b.global_update_count == 2 and b.lr == saved_lr
     after_b = b.update(with_old_log_probs(b, b3))
-    after_a.pop("actor/max_memory_gb"), after_b.pop("actor/max_memory_gb")
+    for name in TIMED:
+        after_a.pop(name, None), after_b.pop(name, None)
     assert after_b == after_a  # same loss, grad norm, LR: bit for bit
     for (name, x), (_, y) in zip(a.export_weights(), b.export_weights(), strict=True):
         torch.testing.assert_close(x, y, atol=0, rtol=0, msg=name)
@@ -367,6 +372,72 @@ def test_update_without_response_tokens_is_refused(model_dir):
         engine.update({**batch, "response_mask": torch.zeros_like(batch["response_mask"])})
 
 
+def test_fused_log_probs_give_the_plain_paths_log_probs_and_update(model_dir):
+    """The fused LM head (log-probs from hidden states and the head weight) against the
+    plain logits -> log_softmax path: the same log-probs, loss, entropy and update."""
+    loss = PPOLossConfig(entropy_coeff=0.01)  # the entropy's gradient path too
+    runs = {}
+    for fused in (True, False):
+        engine = make_engine(model_dir, 3, loss, engine={"fused_log_probs": fused}, eps=EPS)
+        assert (engine._head is not None) is fused
+        batch = with_old_log_probs(engine, make_batch(ROWS, seed=4))
+        metrics = engine.update(batch)
+        runs[fused] = (batch["old_log_probs"], metrics, (params_of(engine), grads_of(engine)))
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-5, rtol=1e-5)
+    for key in ("actor/loss", "actor/entropy", "actor/grad_norm"):
+        assert runs[True][1][key] == pytest.approx(runs[False][1][key], rel=1e-4), key
+    assert_same_update(runs[True][2], runs[False][2])
+
+
+class _Clock:
+    """time.perf_counter for the engine: 10.0 at an update's start, 12.0 after."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        return 10.0 if self.calls == 1 else 12.0
+
+
+def test_update_reports_model_tflops_per_device_and_mfu(model_dir, monkeypatch):
+    from offbeat.core.train import fsdp2
+    from offbeat.core.train.flops import DecoderShape, training_flops
+
+    batch = make_batch(6, seed=2)
+    cpu = make_engine(model_dir, 4)
+    with_peak = make_engine(model_dir, 4, engine={"peak_tflops": 1e-6})
+    data = with_old_log_probs(cpu, batch)
+    shape = DecoderShape.from_hf_config(cpu.model.config)
+    flops = training_flops(shape, batch["attention_mask"].sum(-1).tolist())
+
+    monkeypatch.setattr(fsdp2, "time", _Clock())
+    got = cpu.update(data)
+    assert got["perf/tflops_per_device"] == pytest.approx(flops / 2.0 / 1e12)
+    assert "perf/mfu" not in got  # no peak known for a CPU
+
+    monkeypatch.setattr(fsdp2, "time", _Clock())
+    got = with_peak.update(data)
+    assert got["perf/mfu"] == pytest.approx(flops / 2.0 / 1e12 / 1e-6)
+
+
+def test_gather_weights_on_one_rank_equals_export(model_dir):
+    engine = make_engine(model_dir)
+    exported = params_of(engine)
+    for prefetch in (0, 4096, 1 << 30):  # one parameter at a time, a few, all
+        gathered = {n: t.clone() for n, t in engine.gather_weights(0, prefetch)}
+        assert list(gathered) == list(exported)
+        for name, tensor in exported.items():
+            assert torch.equal(gathered[name], tensor), name
+    with pytest.raises(ValueError, match="dst=1"):
+        list(engine.gather_weights(1))
+
+
+def test_peak_tflops_must_be_positive(model_dir):
+    with pytest.raises(ValueError, match=r"train_engine.peak_tflops=0"):
+        FSDP2Config(model_path=str(model_dir), peak_tflops=0).validate()
+
+
 # ------------------------------------------------------------------ two processes
 ROWS, SEED = 8, 21
 
@@ -389,7 +460,12 @@ def _worker(model_dir: str, out: str, device: str) -> None:
     mine = rows_of(full, 0, cut) if rank == 0 else rows_of(full, cut, ROWS)
     metrics = engine.update(with_old_log_probs(engine, mine))
     update = (params_of(engine), grads_of(engine))  # every rank: gathering is collective
+    # Only rank 1 (the destination) gets full tensors; rank 0 sends its shards.
+    gathered = {n: t.cpu().clone() for n, t in engine.gather_weights(dst=1, prefetch_bytes=4096)}
+    assert rank == 1 or not gathered
     engine.save(os.path.join(out, "ckpt"))
+    if rank == 1:
+        torch.save(gathered, os.path.join(out, "gathered.pt"))
     if rank == 0:
         torch.save(
             {"update": update, "metrics": metrics, "world": world}, os.path.join(out, "r.pt")
@@ -427,6 +503,10 @@ def test_two_gloo_processes_match_one_process(model_dir, tmp_path):
     want_update, want_metrics = _reference_update(model_dir)
     assert_same_update(got["update"], want_update)
     assert got["metrics"]["actor/loss"] == pytest.approx(want_metrics["actor/loss"], rel=1e-5)
+    gathered = torch.load(tmp_path / "gathered.pt")  # gather_weights onto rank 1 alone
+    assert list(gathered) == list(got["update"][0])
+    for name, tensor in got["update"][0].items():
+        assert torch.equal(gathered[name], tensor), name
 
     # The 2-rank sharded checkpoint loads into 1 rank (DCP reshards).
     engine = make_engine(model_dir, micro_batch_size=3)

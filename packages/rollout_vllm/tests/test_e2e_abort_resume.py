@@ -17,13 +17,22 @@ BUDGET = 200  # longest prompt (48 tokens) + 200 < max_model_len (256)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-async def wait_until_running(server, n: int) -> None:
-    """Until `n` requests are inside the engine, then a little longer so they decode."""
-    for _ in range(2000):
-        if server.engine.get_num_unfinished_requests() >= n:
-            break
+def tokens_received(server) -> list[int]:
+    """Output tokens each request inside the engine has delivered to this process so far
+    (read from vLLM's output processor: an abort returns exactly these)."""
+    states = server.engine.output_processor.request_states.values()
+    return [s.detokenizer.num_output_tokens() for s in states if s.detokenizer is not None]
+
+
+async def wait_until_running(server, n: int, tokens: int = 2) -> None:
+    """Until `n` requests are inside the engine and the first `min(n, max_num_seqs)` of
+    them have each delivered `tokens` tokens."""
+    for _ in range(6000):
+        got = sorted(tokens_received(server), reverse=True)
+        if len(got) >= n and got[min(n, 32) - 1] >= tokens:
+            return
         await asyncio.sleep(0.005)
-    await asyncio.sleep(0.1)
+    raise AssertionError(f"requests did not start decoding: {tokens_received(server)}")
 
 
 async def uninterrupted(server, prompt_ids, tag):
@@ -97,3 +106,33 @@ async def test_client_resumes_across_a_weight_sync(
         assert out.max_weight_version == out.weight_version == v0 + 1
     for out in interrupted:
         assert out.min_weight_version == v0 < out.max_weight_version
+
+
+async def test_abort_touches_only_what_the_engine_holds(server, prompt_ids):
+    """More calls than the engine's capacity (max_num_seqs + queue): the ones inside are
+    aborted with their tokens; the ones still waiting in the server are not touched, and
+    run whole after resume()."""
+    capacity = server._admission.limit
+    n = capacity + 12
+    params = {"max_tokens": 64, **GREEDY}
+    tasks = [
+        asyncio.create_task(server.generate(f"cap-{i}", prompt_ids[i % len(prompt_ids)], params))
+        for i in range(n)
+    ]
+    await wait_until_running(server, capacity)
+    assert server.status()["inflight"] == capacity
+    assert server.status()["waiting"] == n - capacity
+    await server.abort_all()
+    assert server.last_abort["inflight"] == capacity
+    assert server.last_abort["waiting"] == n - capacity
+    done = [t for t in tasks if t.done()]
+    assert len(done) == capacity
+    assert all(t.result().stop_reason in ("aborted", "length") for t in done)
+    assert any(t.result().stop_reason == "aborted" for t in done)
+    waiting = [t for t in tasks if not t.done()]
+    await asyncio.sleep(0.2)
+    assert not any(t.done() for t in waiting)  # paused: nothing admitted
+    await server.resume()
+    outs = await asyncio.wait_for(asyncio.gather(*waiting), 120)
+    assert [len(o.token_ids) for o in outs] == [64] * len(waiting)
+    assert all(o.stop_reason == "length" for o in outs)

@@ -63,27 +63,37 @@ async def test_batched_generate_abort_and_resume_through_the_actor(replica, prom
     calls = [
         asyncio.create_task(server.generate(f"b-{i}", prompt_ids[i % len(prompt_ids)], params))
         for i in range(48)
-    ]  # more than max_num_seqs (32): some wait in vLLM's queue
+    ]  # more than max_num_seqs (32) + the server's queue (8): some wait in the server
     for _ in range(2000):
         status = await server.status()
-        if status["inflight"] == len(calls):
+        if status["inflight"] + status["waiting"] == len(calls):
             break
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.5)
     await server.abort_all()
-    outs = await asyncio.wait_for(asyncio.gather(*calls), 60)
-    assert {o.stop_reason for o in outs} <= {"aborted", "length"}
-    assert any(o.stop_reason == "aborted" for o in outs)
-    assert all(len(o.token_ids) == len(o.logprobs) <= 150 for o in outs)
     last = (await server.status())["last_abort"]
-    assert last["inflight"] == len(calls)
+    # The engine held max_num_seqs + 8; the rest waited in the server, untouched.
+    assert (last["inflight"], last["waiting"]) == (40, 8)
+    for _ in range(2000):
+        if sum(c.done() for c in calls) >= 40:
+            break
+        await asyncio.sleep(0.01)
+    aborted = [c.result() for c in calls if c.done()]
+    assert len(aborted) == 40
+    assert {o.stop_reason for o in aborted} <= {"aborted", "length"}
+    assert any(o.stop_reason == "aborted" for o in aborted)
+    assert all(len(o.token_ids) == len(o.logprobs) <= 150 for o in aborted)
+    untouched = [c for c in calls if not c.done()]
 
-    # Paused: a new batched call waits until resume(), then finishes.
+    # Paused: a new batched call waits until resume(), then finishes; so do the calls
+    # that were waiting, whole.
     late = asyncio.create_task(server.generate("late", prompt_ids[0], {"max_tokens": 3}))
     await asyncio.sleep(0.3)
-    assert not late.done()
+    assert not late.done() and not any(c.done() for c in untouched)
     await server.resume()
     assert len((await asyncio.wait_for(late, 60)).token_ids) == 3
+    whole = await asyncio.wait_for(asyncio.gather(*untouched), 60)
+    assert [(o.stop_reason, len(o.token_ids)) for o in whole] == [("length", 150)] * 8
 
     # A caller that gives up cancels its request on the replica.
     slow = asyncio.create_task(server.generate("slow", prompt_ids[0], params))

@@ -7,9 +7,13 @@ It knows nothing about the balancer, the client's resume logic or how weights tr
 weight update runs the checkpoint engine's receiver inside vLLM's worker process through
 `WeightSyncExtension` and only then advances `weight_version`.
 
-Pausing: `abort_all()` closes a gate (new `generate` calls wait), pauses vLLM's scheduler
-aborting everything it holds, and returns once every in-flight call has returned
-`"aborted"` with the tokens it produced. `resume()` reopens both.
+Admission: at most vLLM's `max_num_seqs` plus a short queue (`engine_queue`) of calls are
+inside the engine at once; the others wait in the server, first come first served.
+Pausing: `abort_all()` stops admitting (new and waiting calls wait), pauses vLLM's scheduler
+aborting everything it holds, and returns once every call inside has returned `"aborted"`
+with the tokens it produced; the calls still waiting have produced nothing and start after
+`resume()`, on the new weights. So an abort costs what the engine holds, not what the
+callers have sent. `resume()` reopens both.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
         f"offbeat-rollout-vllm[gpu] (vllm) ({e})"
     ) from e
 
+from offbeat.rollout_vllm._admission import Admission
 from offbeat.rollout_vllm._sampling import to_sampling_params
 
 __all__ = ["WORKER_EXTENSION", "VLLMRolloutServer", "VLLMServerConfig"]
@@ -64,6 +69,11 @@ class VLLMServerConfig:
     weight_version: int = 0
     # How long abort_all() waits for aborted calls to return before it raises.
     abort_timeout_s: float = 60.0
+    # Calls vLLM may hold queued beyond its max_num_seqs (x data-parallel size); more wait
+    # in the server and are not touched by an abort. None: max(8, max_num_seqs // 4), which
+    # keeps vLLM's queue fed for the slots that free up each step. A very large number lets
+    # every call straight into vLLM (every one of them is then aborted by a sync).
+    engine_queue: int | None = None
     # gc.freeze() once the engine is up (as vLLM's own API server does): the startup heap
     # (torch, transformers, vLLM) moves out of the collector's reach, so the full
     # collections that the hot path's allocations trigger stay cheap. Process-wide.
@@ -107,19 +117,31 @@ class VLLMRolloutServer:
         self._vocab_size: int = self.engine.model_config.get_vocab_size()
         self._weight_version = config.weight_version
         self._ids = itertools.count()
-        # The gate new generate calls pass; closed between abort_all() and resume().
-        self._running = asyncio.Event()
-        self._running.set()
+        # Calls inside the engine; closed between abort_all() and resume().
+        self._admission = Admission(self._engine_capacity(config.engine_queue))
         self._abort_epoch = 0
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Internal ids of the requests inside the engine (abort_all aborts exactly these).
+        self._inside: set[str] = set()
+        # The engine's pause, started by abort_all() and awaited before weights, KV cache or
+        # resume are touched.
+        self._pausing: asyncio.Future | None = None
         # Set when a weight update failed part-way: the model may hold mixed weights.
         self._broken: str | None = None
         # Timings of the last successful update_weights (per worker: receive_s, finalize_s).
         self.last_update: dict[str, Any] | None = None
-        # The last abort_all(): calls in flight when it began, pause_s, drain_s.
+        # The last abort_all(): calls inside the engine / waiting when it began, abort_s,
+        # drain_s; and how long the engine's own pause took (it runs on in the background).
         self.last_abort: dict[str, Any] | None = None
+        self.last_engine_pause_s: float | None = None
+
+    def _engine_capacity(self, engine_queue: int | None) -> int:
+        vc = self.engine.vllm_config
+        seqs = vc.scheduler_config.max_num_seqs * vc.parallel_config.data_parallel_size
+        if engine_queue is None:
+            engine_queue = max(8, seqs // 4)
+        if engine_queue < 0:
+            raise ValueError(f"VLLMServerConfig.engine_queue={engine_queue}: must be >= 0")
+        return seqs + engine_queue
 
     # ---- identity and state ---------------------------------------------------------
     @property
@@ -140,17 +162,20 @@ class VLLMRolloutServer:
 
     @property
     def is_paused(self) -> bool:
-        return not self._running.is_set()
+        return not self._admission.is_open
 
     def status(self) -> dict[str, Any]:
         return {
             "server_id": self.server_id,
             "weight_version": self._weight_version,
             "paused": self.is_paused,
-            "inflight": self._inflight,
+            "inflight": len(self._inside),  # vLLM requests inside the engine
+            "inflight_seqs": self._admission.inside,  # their sequences (n per group)
+            "waiting": self._admission.waiting,  # calls waiting in the server
             "sleep_mode": self._sleep_mode,
             "broken": self._broken,
             "last_abort": self.last_abort,
+            "last_engine_pause_s": self.last_engine_pause_s,
         }
 
     # ---- generation -----------------------------------------------------------------
@@ -184,9 +209,9 @@ class VLLMRolloutServer:
     async def generate(
         self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any]
     ) -> TokenOutput:
-        """Generate one sequence. Waits while the server is paused; returns
-        `stop_reason="aborted"` with the tokens produced so far if `abort_all()` interrupts
-        it. Bad input raises ValueError before the engine sees it."""
+        """Generate one sequence. Waits while the server is paused or the engine is full;
+        returns `stop_reason="aborted"` with the tokens produced so far if `abort_all()`
+        interrupts it. Bad input raises ValueError before the engine sees it."""
         ids = self._check_prompt(prompt_ids)
         out, version = await self._run(request_id, ids, to_sampling_params(sampling_params))
         return self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
@@ -223,18 +248,23 @@ class VLLMRolloutServer:
         return [self._to_token_output(out.request_id, c, None, version) for c in comps]
 
     async def _run(self, request_id: str, ids: list[int], sp: Any) -> tuple[Any, int]:
-        """One vLLM request through the gate to its final output; returns that output and
-        the weight version it started on."""
-        while not self._running.is_set():
-            await self._running.wait()
-        if self._broken is not None:
-            raise RuntimeError(f"server {self.server_id} is not serving: {self._broken}")
+        """One vLLM request through admission to its final output; returns that output
+        and the weight version it started on. A request of `n` samples counts `n` against
+        the engine's capacity."""
+        await self._admission.enter(sp.n)
+        try:
+            if self._broken is not None:
+                raise RuntimeError(f"server {self.server_id} is not serving: {self._broken}")
+            return await self._in_engine(request_id, ids, sp)
+        finally:
+            self._admission.leave(sp.n)
+
+    async def _in_engine(self, request_id: str, ids: list[int], sp: Any) -> tuple[Any, int]:
         epoch = self._abort_epoch
         version = self._weight_version
-        self._inflight += 1
-        self._idle.clear()
         internal_id = f"{request_id}#{next(self._ids)}"
         queue = None
+        self._inside.add(internal_id)
         try:
             try:
                 queue = await self.engine.add_request(
@@ -250,17 +280,15 @@ class VLLMRolloutServer:
             out = None
             while out is None or not out.finished:
                 out = queue.get_nowait() or await queue.get()
+            return out, version
         except asyncio.CancelledError:
             if queue is not None:
                 await self.engine.abort(internal_id)
             raise
         finally:
+            self._inside.discard(internal_id)
             if queue is not None:
                 queue.close()
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-        return out, version
 
     def _to_token_output(self, vllm_id: str, comp: Any, metrics: Any, version: int) -> TokenOutput:
         token_ids = list(comp.token_ids)
@@ -287,36 +315,57 @@ class VLLMRolloutServer:
 
     # ---- pause / resume -------------------------------------------------------------
     async def abort_all(self) -> None:
-        """Stop accepting, abort everything in flight, wait until every interrupted
-        `generate` has returned. Stays paused until `resume()`."""
+        """Stop admitting, abort every request inside the engine, wait until every
+        interrupted `generate` has returned "aborted" with the tokens it had received.
+        Calls waiting for admission keep waiting (they have produced nothing). Stays
+        paused until `resume()`.
+
+        The requests are aborted where their outputs are collected, in this process: each
+        call gets its final output at once, from what it has received, without waiting for
+        the engine to finish its current step. The engine's own pause (its scheduler
+        stops, and aborts whatever is still on its way in) runs on in the background;
+        everything that needs a quiet engine (`update_weights`, `release_kv_cache`,
+        `sleep`, `resume`) waits for it first. The engine's step in progress is lost (its
+        tokens never reached a caller), and it cannot touch new weights: the weight update
+        is queued behind the pause in the engine.
+        """
         t0 = time.perf_counter()
-        inflight = self._inflight
-        self._running.clear()
+        inside, waiting = len(self._inside), self._admission.waiting
+        self._admission.close()
         self._abort_epoch += 1
-        await self._pause_engine()
+        if self._pausing is None:
+            self._pausing = asyncio.ensure_future(self._pause_engine())
+        if self._inside:
+            await self.engine.abort(list(self._inside))
         t1 = time.perf_counter()
         try:
-            await asyncio.wait_for(self._idle.wait(), self.config.abort_timeout_s)
+            await asyncio.wait_for(self._admission.wait_empty(), self.config.abort_timeout_s)
         except TimeoutError as e:
             raise TimeoutError(
-                f"server {self.server_id}: {self._inflight} request(s) still running "
+                f"server {self.server_id}: {self._admission.inside} request(s) still running "
                 f"{self.config.abort_timeout_s}s after abort_all()"
             ) from e
         self.last_abort = {
-            "inflight": inflight,
-            "pause_s": t1 - t0,  # the engine's scheduler paused, its requests aborted
+            "inflight": inside,
+            "waiting": waiting,
+            "abort_s": t1 - t0,  # every request inside aborted (outputs made, engine told)
             "drain_s": time.perf_counter() - t1,  # every interrupted call returned
         }
 
+    async def _engine_paused(self) -> None:
+        """Until the engine's pause, started by `abort_all()`, has completed."""
+        if self._pausing is not None:
+            await self._pausing
+
     async def _pause_engine(self) -> None:
-        # Pause vLLM's scheduler, aborting what it holds. AsyncLLM.pause_generation does the
-        # same plus a fixed 20 ms sleep so that the aborted outputs usually arrive before it
-        # returns; abort_all() waits for exactly those outputs instead, so it calls the
-        # engine-core client directly when it can.
-        # The pause is on the weight sync's critical path, so it clears only what new
-        # weights make stale and nothing else does: the prefix cache is reset by
-        # update_weights() once the weights are in; the multimodal and encoder caches
-        # (two more round trips to every worker) only exist for multimodal models.
+        # Pause vLLM's scheduler, aborting what it still holds (a request that was on its
+        # way in when abort_all() ran). AsyncLLM.pause_generation does the same plus a fixed
+        # 20 ms sleep; the engine-core client is called directly when it can be.
+        # The pause clears only what new weights make stale and nothing else does: the
+        # prefix cache is reset by update_weights() once the weights are in; the multimodal
+        # and encoder caches (two more round trips to every worker) only exist for
+        # multimodal models.
+        t0 = time.perf_counter()
         clear = self._multimodal
         core = getattr(self.engine, "engine_core", None)
         pause = getattr(core, "pause_scheduler_async", None)
@@ -324,21 +373,26 @@ class VLLMRolloutServer:
         clear_mm = getattr(renderer, "clear_mm_cache_async", None)
         if pause is None or clear_mm is None:
             await self.engine.pause_generation(mode="abort", clear_cache=clear)
-            return
-        if clear:
-            await clear_mm()
-        await pause(mode="abort", clear_cache=clear)
+        else:
+            if clear:
+                await clear_mm()
+            await pause(mode="abort", clear_cache=clear)
+        self.last_engine_pause_s = time.perf_counter() - t0
 
     async def resume(self) -> None:
-        """Accept and schedule requests again (the ones waiting at the gate go first)."""
+        """Admit and schedule requests again (the ones waiting go first, oldest first)."""
+        pausing, self._pausing = self._pausing, None
+        if pausing is not None:
+            await pausing
         await self.engine.resume_generation()
-        self._running.set()
+        self._admission.reopen()
 
     # ---- memory ---------------------------------------------------------------------
     async def release_kv_cache(self) -> bool:
         """Free the KV cache (vLLM sleep mode). A no-op where the platform has no sleep
         mode (CPU): the cache stays allocated. Returns whether it did anything."""
         if self._sleep_mode:
+            await self._engine_paused()
             await self.engine.release_kv_cache_memory()
         return self._sleep_mode
 
@@ -353,6 +407,7 @@ class VLLMRolloutServer:
         """Pause like `abort_all()`, then free memory: level 1 offloads weights and drops
         the KV cache, level 2 drops both. Without sleep mode (CPU) only the pause happens."""
         await self.abort_all()
+        await self._engine_paused()
         if self._sleep_mode:
             await self.engine.sleep(level)
 
@@ -372,11 +427,12 @@ class VLLMRolloutServer:
                 f"server {self.server_id} holds weight version {self._weight_version}; "
                 f"refusing older version {spec.version}"
             )
-        if self._running.is_set():
+        if self._admission.is_open:
             raise RuntimeError(
                 f"server {self.server_id}: update_weights needs the server paused; "
                 "call abort_all() first"
             )
+        await self._engine_paused()
         t0 = time.perf_counter()
         try:
             # vLLM serialises RPC arguments with msgspec, which turns dataclasses into

@@ -25,7 +25,9 @@ __all__ = [
     "JobConfig",
     "KLControlConfig",
     "ModelConfig",
+    "RecordConfig",
     "ReferenceConfig",
+    "ReplayConfig",
     "ResourceConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -137,6 +139,26 @@ class KLControlConfig:
 
 
 @dataclass
+class RecordConfig:
+    """Write each trained batch to `dir` (see offbeat.core.rollout.record): every `every`-th
+    step, or only the steps listed in `steps`. Empty `dir`: nothing is recorded."""
+
+    dir: str = ""
+    steps: list[int] = field(default_factory=list)  # non-empty: exactly these global steps
+    every: int = 1  # with `steps` empty: steps k, 2k, ... (1: every step)
+
+
+@dataclass
+class ReplayConfig:
+    """Train on the batches recorded in `dir` instead of generating them (see
+    offbeat.core.rollout.replay). `cache`: each recorded step once, then live generation;
+    `repeat`: cycle through the recording for the whole run. Empty `dir`: all live."""
+
+    dir: str = ""
+    mode: str = "cache"  # cache | repeat
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "vllm"  # a name in ROLLOUT_ENGINES
     tensor_parallel_size: int = 1
@@ -146,6 +168,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as is
+    record: RecordConfig = field(default_factory=RecordConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 @dataclass

@@ -56,9 +56,11 @@ class TokenOutput:
 class RolloutServer(Protocol):
     """One engine replica (one Ray actor per replica in a distributed run).
 
-    `abort_all()` makes every in-flight `generate` return `stop_reason="aborted"` with the
-    tokens produced so far, and keeps the server paused (new `generate` calls wait) until
-    `resume()`. The weight-sync side (the target protocol of offbeat-ckpt-engine) is on the
+    `abort_all()` makes every `generate` the engine has started return
+    `stop_reason="aborted"` with the tokens produced so far, and keeps the server paused
+    (new `generate` calls wait) until `resume()`. A server may hold calls it has not yet
+    passed to its engine (admission); those have produced nothing, and they simply wait
+    through the pause and start after `resume()`, on the new weights. The weight-sync side (the target protocol of offbeat-ckpt-engine) is on the
     same object: see `offbeat.ckpt_engine.SyncTarget`. `weight_version` must not block: a
     proxy of a remote replica returns the last version it saw (None: none seen yet) and
     offers `async refresh() -> int` to ask.

@@ -126,11 +126,14 @@ def shard(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool,
     gradient_checkpointing: bool,
+    compile_layers: bool = False,
     *,
     offload: bool = False,
 ) -> nn.Module:
-    """`fully_shard` each decoder layer, then the root (in place; returns the model);
-    `offload`: parameters stay in host memory between uses (CPUOffloadPolicy)."""
+    """`fully_shard` each decoder layer, then the root (in place; returns the model).
+    `compile_layers`: torch.compile each layer's forward (FSDP's hooks stay outside the
+    compiled code, and parameter names do not change). `offload`: parameters stay in host
+    memory between uses (CPUOffloadPolicy)."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     kwargs: dict[str, Any] = {
@@ -138,10 +141,26 @@ def shard(
     }  # fmt: skip
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    if compile_layers:
+        _compile_forwards(layers)
+    for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _compile_forwards(layers: list[nn.Module]) -> None:
+    """One compiled graph serves every layer of the same class (their parameters are
+    inputs, not constants); room is made so that a recompile per layer, should the guards
+    ask for one, does not fall back to eager after the default 8."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 2 * len(layers) + 8))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
 
 
 def build_sharded_model(
@@ -152,6 +171,7 @@ def build_sharded_model(
     *,
     reshard_after_forward: bool = True,
     gradient_checkpointing: bool = False,
+    compile_layers: bool = False,
     trust_remote_code: bool = False,
     init_on_rank0: bool = True,
     override_config: Mapping[str, Any] | None = None,
@@ -161,7 +181,7 @@ def build_sharded_model(
     over `mesh`. With several ranks and `init_on_rank0`, rank 0 alone reads the checkpoint
     and broadcasts it."""
     group = mesh.get_group()
-    opts = (reshard_after_forward, gradient_checkpointing)
+    opts = (reshard_after_forward, gradient_checkpointing, compile_layers)
     ov = override_config
     if dist.get_world_size(group) == 1 or not init_on_rank0:
         model = load_hf_model(path, trust_remote_code, ov).float()

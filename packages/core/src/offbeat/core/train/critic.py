@@ -112,6 +112,7 @@ def critic_engine_config(job: Any) -> FSDP2Config:
         gradient_checkpointing=job.actor.gradient_checkpointing,
         trust_remote_code=job.model.trust_remote_code,
         override_config=dict(job.model.override_config),
+        fused_log_probs=False,  # a value head, not an LM head: nothing to fuse
         optim=OptimConfig(
             lr=c.lr,
             weight_decay=c.weight_decay,

@@ -6,7 +6,9 @@ weights reach the rollout engines: it computes log-probs, runs one PPO mini-batc
 through a loss function (globally normalised over micro-batches and ranks), streams its
 weights out one parameter at a time, and saves/loads its sharded state with DCP. Its
 micro-batches and optimizer steps are spans of the caller's active trace, if any
-(`offbeat.core.trace`).
+(`offbeat.core.trace`). Log-probs come from the LM head's weight and the last hidden
+states without float32 logits (`logprob_head`) where the model allows; each update
+reports its model FLOPs per second and MFU (`flops`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +31,17 @@ from torch.distributed.tensor import DTensor
 from offbeat.core import trace
 from offbeat.core.algorithms import global_normalizer, zero_masked
 from offbeat.core.device import Device, current_device, get_device
-from offbeat.core.train import _batch, _checkpoint, _sharding
+from offbeat.core.train import _batch, _checkpoint, _gather, _sharding
 from offbeat.core.train._metrics import MetricSums
 from offbeat.core.train.engine import LossFn, register_train_engine
+from offbeat.core.train.flops import (
+    decoder_shape_of,
+    device_name,
+    peak_tflops,
+    perf_metrics,
+    training_flops,
+)
+from offbeat.core.train.logprob_head import LogProbHead, supports_log_prob_head
 from offbeat.core.train.loss import PPOLoss, PPOLossConfig
 from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
 
@@ -50,6 +61,14 @@ class FSDP2Config:
     covers the rest of the rank's mini-batch shard). `param_dtype` is the compute dtype of
     gathered parameters (master weights stay float32); `export_dtype` the dtype of exported
     weights, i.e. the rollout engine's (None: the master dtype).
+
+    `fused_log_probs`: compute log-probs (and entropy) from the last hidden states and the
+    LM-head weight without float32 logits (`offbeat.core.train.logprob_head`), for models
+    whose head allows it; others keep the plain path (on GPUs its two passes over the
+    logits are compiled: eager they are slower than the plain path). `compile`:
+    torch.compile each decoder layer (the first update compiles).
+    `peak_tflops`: the device's peak for `perf/mfu` (None: `flops.PEAK_TFLOPS`'s vendor
+    figure for the device and `param_dtype`; no `perf/mfu` where that is unknown).
     """
 
     model_path: str = ""
@@ -68,6 +87,9 @@ class FSDP2Config:
     # With several ranks, only rank 0 reads the checkpoint and broadcasts it (the others
     # build on the meta device): one full copy of the model per host instead of per rank.
     init_on_rank0: bool = True
+    fused_log_probs: bool = True
+    compile: bool = False
+    peak_tflops: float | None = None
     # FSDP2's CPUOffloadPolicy: parameters (and gradients) live in host memory and are
     # moved to the device for each forward (a frozen reference model on a GPU).
     offload_params: bool = False
@@ -79,6 +101,11 @@ class FSDP2Config:
             raise ValueError(f"{prefix}.temperature={self.temperature!r}: must be > 0")
         if self.micro_batch_size < 1:
             raise ValueError(f"{prefix}.micro_batch_size={self.micro_batch_size!r}: must be >= 1")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(
+                f"{prefix}.peak_tflops={self.peak_tflops!r}: must be > 0, or None for the "
+                "device table's figure"
+            )
         for key in ("param_dtype", "reduce_dtype", "export_dtype"):
             value = getattr(self, key)
             if value is not None and value not in _DTYPES:
@@ -123,9 +150,9 @@ def hf_name(name: str) -> str:
 
 @torch.no_grad()
 def _full(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and param.dtype != dtype:
+        param = param.to(dtype)  # each shard first: a bf16 gather moves half the bytes
     full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-    if dtype is not None and full.dtype != dtype:
-        full = full.to(dtype)
     return full.contiguous()
 
 
@@ -192,6 +219,7 @@ class FSDP2TrainEngine:
                 mp,
                 reshard_after_forward=config.reshard_after_forward,
                 gradient_checkpointing=config.gradient_checkpointing,
+                compile_layers=config.compile,
                 trust_remote_code=config.trust_remote_code,
                 init_on_rank0=config.init_on_rank0,
                 override_config=config.override_config,
@@ -204,6 +232,7 @@ class FSDP2TrainEngine:
                 mp,
                 config.reshard_after_forward,
                 config.gradient_checkpointing,
+                compile_layers=config.compile,
                 offload=config.offload_params,
             )
         self._model = model
@@ -212,6 +241,13 @@ class FSDP2TrainEngine:
         self._updates = 0
         # HF causal LMs can skip the LM head on the prompt positions.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._head: LogProbHead | None = None
+        if config.fused_log_probs and self._takes_logits_to_keep and supports_log_prob_head(model):
+            self._head = LogProbHead.install(model, compiled=self._device.type == "cuda")
+        self._shape = decoder_shape_of(model)
+        self._peak = config.peak_tflops or peak_tflops(
+            device_name(self._device), config.param_dtype
+        )
 
     # ---------------------------------------------------------------- properties
     @property
@@ -246,8 +282,7 @@ class FSDP2TrainEngine:
             torch.get_device_module(self._device.type).set_device(self._device)
 
     # ---------------------------------------------------------------- forward
-    def _response_logits(self, mb: dict[str, Any]) -> torch.Tensor:
-        """The model's outputs at the positions that predict the response tokens [B, R, .]."""
+    def _model_kwargs(self, mb: dict[str, Any]) -> dict[str, Any]:
         width = mb["response_mask"].shape[1]
         kwargs: dict[str, Any] = {
             "input_ids": mb["input_ids"],
@@ -257,15 +292,29 @@ class FSDP2TrainEngine:
         }
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = width + 1  # only the positions that predict responses
-        return self._model(**kwargs).logits[:, -(width + 1) : -1, :]
+        return kwargs
+
+    def _response_logits(self, mb: dict[str, Any]) -> torch.Tensor:
+        """The model's outputs at the positions that predict the response tokens [B, R, .]
+        (the critic's values; the policy goes through `_forward`)."""
+        width = mb["response_mask"].shape[1]
+        return self._model(**self._model_kwargs(mb)).logits[:, -(width + 1) : -1, :]
 
     def _forward(
         self, mb: dict[str, Any], temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = mb["input_ids"]
         width = mb["response_mask"].shape[1]
-        logits = self._response_logits(mb) / temperature
-        log_probs = _batch.token_log_probs(logits, mb["input_ids"][:, -width:])
-        entropy = _batch.entropy_from_logits(logits) if with_entropy else None
+        kwargs = self._model_kwargs(mb)
+        if self._head is not None:
+            with self._head.request(input_ids[:, -width:], temperature, with_entropy):
+                out = self._model(**kwargs).logits  # [B, W, 1 or 2]: log-prob (, entropy)
+            log_probs, entropy = out[..., 0], (out[..., 1] if with_entropy else None)
+        else:
+            logits = self._model(**kwargs).logits[:, -(width + 1) : -1, :]
+            logits = logits / temperature
+            log_probs = _batch.token_log_probs(logits, input_ids[:, -width:])
+            entropy = _batch.entropy_from_logits(logits) if with_entropy else None
         mask = mb["response_mask"]
         return zero_masked(log_probs, mask), (
             zero_masked(entropy, mask) if entropy is not None else None
@@ -318,10 +367,14 @@ class FSDP2TrainEngine:
         `actor/loss` (the mini-batch objective), `actor/grad_norm` (before clipping),
         `actor/lr` (the LR this step used), `actor/num_skipped_updates` (1 if the grad norm
         was not finite and the step was skipped), `actor/num_tokens` and `actor/num_seqs`
-        (the normaliser's counts), `actor/max_memory_gb` (this rank's peak)."""
+        (the normaliser's counts), `actor/max_memory_gb` (this rank's peak), and
+        `perf/tflops_per_device`, `perf/mfu` (model FLOPs of the real tokens of every rank,
+        `offbeat.core.train.flops`, over the slowest rank's update time)."""
+        t_start = time.perf_counter()
         temperature = self._temperature(temperature)
         self._bind_device()
         data = _batch.as_tensor_dict(mini_batch, self._device)
+        seqlens = data["attention_mask"].sum(dim=-1).tolist()
         data, prepared = self._loss_fn.prepare(data)
         loss_mask = data.get("loss_mask")
         if loss_mask is None:
@@ -363,7 +416,14 @@ class FSDP2TrainEngine:
             self._scheduler.step()
         self._updates += 1
         metrics.add({"actor/loss": objective}, 1.0)
+        if self._shape is not None:  # FLOPs summed over ranks, the slowest rank's time
+            seconds = time.perf_counter() - t_start
+            flops = training_flops(self._shape, seqlens)
+            metrics.add({"perf/flops": flops, "perf/max_update_s": seconds}, 1.0)
         result = metrics.reduce(self._group, self._device)
+        if self._shape is not None:
+            flops, seconds = result.pop("perf/flops"), result.pop("perf/max_update_s")
+            result.update(perf_metrics(flops, seconds, self.dp_size, self._peak))
         result.update(
             {
                 "actor/grad_norm": grad_norm,
@@ -396,6 +456,22 @@ class FSDP2TrainEngine:
         for name, param in self._model.named_parameters():
             self._bind_device()
             tensor = _full(param, dtype)
+            yield hf_name(name), tensor
+            del tensor
+
+    def gather_weights(
+        self, dst: int = 0, prefetch_bytes: int = 0
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Like `export_weights`, but only rank `dst` of the data-parallel group gets the
+        full tensors (the sender of a weight sync): the other ranks send their shards to it,
+        each shard cast to `export_dtype` first, and yield nothing. All ranks must iterate
+        to the end. Each byte of the model crosses the wire once, towards `dst` alone.
+        `prefetch_bytes`: how far `dst` receives ahead of the tensor it yields (0: it holds
+        one full parameter at a time)."""
+        dtype = _DTYPES[self.config.export_dtype] if self.config.export_dtype else None
+        self._bind_device()
+        group, model = self._group, self._model
+        for name, tensor in _gather.gather_to(model, group, dst, dtype, prefetch_bytes):
             yield hf_name(name), tensor
             del tensor
 

@@ -31,6 +31,7 @@ from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
 from offbeat.core.registry import ROLLOUT_ENGINES, TRAIN_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
+from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
@@ -383,6 +384,7 @@ class Prepared:
     val_files: list[str]
     setup_s: float
     notes: list[str] = field(default_factory=list)  # what prepare decided, for the log
+    model_spec: str = ""  # model.path as configured (e.g. offbeat-tiny:tiny), before resolving
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -421,7 +423,9 @@ def prepare(cfg: RunConfig) -> Prepared:
         model=dataclasses.replace(cfg.model, path=str(model_dir)),
         trainer=dataclasses.replace(t, total_training_steps=steps),
     )
-    return Prepared(job, model_dir, train_files, val_files, time.perf_counter() - t0, notes)
+    return Prepared(
+        job, model_dir, train_files, val_files, time.perf_counter() - t0, notes, cfg.model.path
+    )
 
 
 def run_header(p: Prepared, replicas: int, ready_s: float) -> str:
@@ -455,6 +459,7 @@ async def run_with_replicas(
     from offbeat.ckpt_engine import CheckpointEngineManager
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+    from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
     from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
     from offbeat.core.trainer.checkpoint import CheckpointManager
@@ -500,8 +505,15 @@ async def run_with_replicas(
             max_prompt_length=cfg.data.max_prompt_length, on_engine_error=pool.on_engine_error,
         )  # fmt: skip
         loader = PromptDataLoader(p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        # rollout.replay / rollout.record: the driver's loader and agent, the trainer's hooks.
+        rr = await asyncio.to_thread(
+            attach, cfg, model=p.model_spec or cfg.model.path, model_dir=p.model_dir,
+            tokenizer=tokenizer, loader=loader, agent=agent,
+            version=lambda: pool.last_sync.version if pool.last_sync else version_offset,
+        )  # fmt: skip
         driver = RolloutDriver(
-            buffer, loader, agent, n=cfg.rollout.n, max_concurrent_groups=rt.max_concurrent_groups,
+            buffer, rr.loader, rr.agent, n=cfg.rollout.n,
+            max_concurrent_groups=rt.max_concurrent_groups,
             max_consecutive_failures=rt.max_failed_batches * cfg.data.train_batch_size,
             limit_key=f"runtime.max_failed_batches={rt.max_failed_batches} × "
             f"data.train_batch_size={cfg.data.train_batch_size}",
@@ -526,9 +538,10 @@ async def run_with_replicas(
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
-            version_offset=version_offset, tracer=tracer, critic_ref=critic_ref,
+            version_offset=version_offset, tracer=tracer, step_hooks=rr.hooks,
+            critic_ref=critic_ref,
         )  # fmt: skip
-        tracker.event(run_header(p, len(servers), ready_s))
+        tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
         try:
             summary = await trainer.run()
         finally:

@@ -11,6 +11,7 @@ the buffer admits one batch at a time, so generation and training alternate.
 Knows nothing about the concrete engines: it drives a `TrainEngine`, a `ReplicaPool`
 (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
 phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`).
+Step hooks see each trained batch and may add metrics (rollout record and replay).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import logging
 import resource
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +154,7 @@ class Trainer:
         rollout_memory: Any = None,
         version_offset: int = 0,
         tracer: trace.Tracer | None = None,
+        step_hooks: Sequence[Any] = (),
         critic_ref: Any = None,
     ) -> None:
         if settings.mode not in MODES:
@@ -176,6 +179,9 @@ class Trainer:
         self._val_task: asyncio.Task | None = None
         self.sync_results: list[Any] = []
         self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
+        # After each step, `hook.after_step(step, groups, batch, metrics)` (it may add
+        # metrics; e.g. rollout record/replay); `await hook.close()` when the run ends.
+        self.step_hooks = list(step_hooks)
         # The critic and/or reference model (offbeat.core.trainer.ppo.CriticAndReference).
         self.critic_ref = critic_ref
 
@@ -284,6 +290,8 @@ class Trainer:
         finally:
             await self.driver.stop()
             await self.tracer.close()
+            for hook in self.step_hooks:
+                await hook.close()
             trace.deactivate(token)
         if s.save_freq == 0 and self.step >= start:
             await self._save()
@@ -433,6 +441,8 @@ class Trainer:
         metrics.update(extra)
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
+        for hook in self.step_hooks:
+            hook.after_step(step, groups, batch, metrics)
         return metrics
 
 
