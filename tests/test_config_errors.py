@@ -76,8 +76,41 @@ def test_offbeat_run_fails_fast_without_starting_anything():
 # value and what is missing or valid (offbeat.core.config.support and
 # offbeat.core.trainer.runtime_checks).
 NOT_HONOURED = [
-    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "no critic engine yet"),
-    (["algorithm.use_kl_loss=true"], "algorithm.use_kl_loss", "no reference model yet"),
+    (
+        ["algorithm.adv_estimator=gae", "critic.placement=separate"],
+        "critic.placement",
+        "needs the distributed trainer's worker groups",
+    ),
+    (
+        ["algorithm.use_kl_loss=true", "ref.placement=separate"],
+        "ref.placement",
+        "needs the distributed trainer's worker groups",
+    ),
+    (["ref.param_offload=true"], "ref.param_offload", "nothing reads ref.*"),
+    (
+        ["algorithm.use_kl_loss=true", "ref.param_offload=true"],
+        "ref.param_offload",
+        "resources.device=cpu keeps every weight in host memory",
+    ),
+    (["algorithm.kl_ctrl.type=adaptive"], "algorithm.kl_ctrl.type", "use_kl_in_reward=true"),
+    (
+        ["algorithm.use_kl_loss=true", "ref.log_prob_micro_batch_size_per_device=0"],
+        "ref.log_prob_micro_batch_size_per_device",
+        "must be an int > 0",
+    ),
+    (["algorithm.kl_penalty=k3"], "algorithm.kl_penalty", "use_kl_in_reward=true"),
+    (
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.target_kl=0.5"],
+        "algorithm.kl_ctrl.target_kl",
+        "only the adaptive controller",
+    ),
+    (["algorithm.kl_clamp=5.0"], "algorithm.kl_clamp", "use_kl_in_reward=true"),
+    (
+        ["algorithm.adv_estimator=gae", "critic.model_path=/no/such/critic"],
+        "critic.model_path",
+        "an existing HF model directory",
+    ),
+    (["algorithm.adv_estimator=gae", "critic.lr=0"], "critic.lr", "must be > 0"),
     (
         ["actor.tensor_model_parallel_size=2"],
         "actor.tensor_model_parallel_size",
@@ -92,6 +125,7 @@ NOT_HONOURED = [
     (["algorithm.lam=0.95"], "algorithm.lam", "only GAE"),
     (["critic.lr=2e-5"], "critic.lr", "nothing reads critic.*"),
     (["critic.model_path=/models/critic"], "critic.model_path", "nothing reads critic.*"),
+    (["critic.placement=separate"], "critic.placement", "nothing reads critic.*"),
     (["algorithm.kl_loss_coef=0.1"], "algorithm.kl_loss_coef", "use_kl_loss=true"),
     (["algorithm.rollout_is_threshold=3.0"], "algorithm.rollout_is_threshold", "token or sequence"),
     (
@@ -169,6 +203,63 @@ def test_what_the_runtime_does_not_honour_is_rejected(overrides, key, phrase):
 )  # fmt: skip
 def test_what_the_runtime_honours_is_accepted(overrides):
     load_recipe_config("separate_async", overrides)
+
+
+def test_gae_and_kl_are_accepted_with_a_critic_and_a_reference():
+    load_recipe_config(
+        "separate_async",
+        ["algorithm.adv_estimator=gae", "algorithm.gamma=0.99", "algorithm.lam=0.95",
+         "critic.lr=1e-4", "critic.ppo_epochs=2", "algorithm.use_kl_loss=true",
+         "algorithm.kl_loss_type=k2", "algorithm.use_kl_in_reward=true",
+         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.05"],
+    )  # fmt: skip
+
+
+def test_gae_without_a_critic_engine_and_kl_without_a_reference_name_what_is_missing(monkeypatch):
+    """A train engine that builds neither a value model nor a reference policy: `check`
+    names the missing piece and the engines that have it."""
+    from offbeat.core.registry import TRAIN_ENGINES
+    from offbeat.core.train import FSDP2TrainEngine
+
+    class PolicyOnly:  # a registered engine with neither builder
+        from_job_config = FSDP2TrainEngine.from_job_config
+
+    TRAIN_ENGINES.register("policy_only", PolicyOnly)
+    try:
+        with pytest.raises(ConfigError) as info:
+            load_recipe_config(
+                "separate_async",
+                ["algorithm.adv_estimator=gae", "critic.engine=policy_only",
+                 "algorithm.use_kl_loss=true", "actor.engine=policy_only"],
+            )  # fmt: skip
+    finally:
+        TRAIN_ENGINES.unregister("policy_only")
+    by_key = {p.key: p.expected for p in info.value.problems}
+    assert "needs a critic (value model)" in by_key["algorithm.adv_estimator"]
+    assert "critic.engine='policy_only' builds none" in by_key["algorithm.adv_estimator"]
+    assert "engines that do: fsdp2" in by_key["algorithm.adv_estimator"]
+    assert "needs a reference model" in by_key["algorithm.use_kl_loss"]
+    assert "actor.engine='policy_only'" in by_key["algorithm.use_kl_loss"]
+
+
+def test_a_critic_beside_a_trainer_worker_group_is_rejected():
+    """The critic and the reference model are built in the driver; a trainer that runs as
+    a worker group has none there, so `check` says so instead of running without them."""
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config(
+            "separate_async",
+            ["algorithm.adv_estimator=gae", "resources.devices_per_node=3",
+             "resources.trainer_devices=2"],
+        )  # fmt: skip
+    by_key = {p.key: p.expected for p in info.value.problems}
+    assert "worker group" in by_key["algorithm.adv_estimator"]
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config(
+            "separate_async", ["algorithm.use_kl_loss=true", "runtime.trainer_in_driver=false"]
+        )
+    assert (
+        "worker group" in {p.key: p.expected for p in info.value.problems}["algorithm.use_kl_loss"]
+    )
 
 
 def test_cuda_is_rejected_on_a_machine_without_it(monkeypatch):

@@ -2,29 +2,45 @@
 
 Three kinds of rule live here, all registered with `@check`:
 
-* features the schema names but nothing builds yet (a critic, a reference model, a
-  trainer of several ranks outside a job's runtime): rejected naming the missing piece. When a piece
-  lands, delete its lines in `_not_built_yet` and nothing else;
+* features the schema names but nothing builds yet (a critic or a reference model in a
+  worker group of its own, a trainer of several ranks outside a job's runtime, a critic or reference model
+  beside a trainer that runs as a worker group): rejected naming the
+  missing piece. When a piece lands, delete its lines in `_not_built_yet` and nothing
+  else. GAE runs only with a critic and a KL term only with a reference model: when the
+  configured train engine cannot build one, `check` names it;
 * settings of a feature that is switched off (GAE's gamma with GRPO, `critic.*` without a
   critic, the KL loss's coefficient without the KL loss, ...): a non-default value would
   be silently ignored, so it is rejected naming what would read it;
 * the device: it must be registered, its plugin must load, and this machine must have it
   (the trainer runs in the process that starts the job).
 
-Knows only the config, the registries and `Device.is_available()`; nothing of the runtime's
+Knows only the config, the registries (whether a train engine class offers
+`critic_from_job_config` / `reference_from_job_config`) and `Device.is_available()`; nothing of the runtime's
 own knobs (`offbeat.core.trainer.runtime_checks` has those).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
-from offbeat.core.config.schema import AlgorithmConfig, CriticConfig
+from offbeat.core.config.schema import (
+    AlgorithmConfig,
+    CriticConfig,
+    KLControlConfig,
+    ReferenceConfig,
+)
 from offbeat.core.config.validation import Problems, check
-from offbeat.core.registry import ADV_ESTIMATORS, DEVICES
+from offbeat.core.registry import ADV_ESTIMATORS, DEVICES, KL_ESTIMATORS, TRAIN_ENGINES
 
-__all__ = ["critic_estimators", "needs_critic"]
+__all__ = ["critic_estimators", "needs_critic", "needs_reference"]
+
+PLACEMENTS = ("actor", "separate")
+_SEPARATE = (
+    "in a worker group of its own needs the distributed trainer's worker groups (not built "
+    "yet); set actor (the actor's worker group: today the trainer process)"
+)
 
 # Packages that provide a device offbeat does not build in: named when it is missing.
 DEVICE_PACKAGES = {"npu": "offbeat-device-ascend[npu] (the Ascend plugin and torch-npu)"}
@@ -49,23 +65,79 @@ def critic_estimators() -> list[str]:
     return [n for n in ADV_ESTIMATORS.names() if needs_critic(n)]
 
 
+def needs_reference(algorithm: Any) -> bool:
+    """True when a KL term reads reference log-probs (as a loss or in the reward)."""
+    return algorithm.use_kl_loss is True or algorithm.use_kl_in_reward is True
+
+
+def _engines_that(builder: str) -> list[str]:
+    out = []
+    for name in TRAIN_ENGINES.names():
+        try:
+            if hasattr(TRAIN_ENGINES.get(name), builder):
+                out.append(name)
+        except Exception:  # a plugin that does not load cannot build anything
+            continue
+    return out or ["(none registered)"]
+
+
+def _builds(engine: Any, builder: str) -> bool | None:
+    """Whether the train engine registered as `engine` has `builder` (None: unknown name,
+    reported by the registry rule)."""
+    if not isinstance(engine, str) or engine not in TRAIN_ENGINES:
+        return None
+    try:
+        return hasattr(TRAIN_ENGINES.get(engine), builder)
+    except Exception:
+        return None
+
+
 @check
+def _trainer_in_group(cfg: Any) -> bool:
+    """Whether a recipe's trainer runs as a worker group (offbeat.core.runtime.launch's
+    `trainer_in_driver`, false); a bare JobConfig has no runtime and one rank."""
+    rt, r = getattr(cfg, "runtime", None), cfg.resources
+    if rt is None:
+        return False
+    if rt.trainer_in_driver is not None:
+        return not rt.trainer_in_driver
+    return not (r.trainer_devices == 1 and r.num_nodes == 1 and not rt.ray_address)
+
+
 def _not_built_yet(cfg: Any, p: Problems) -> None:
     """The one place that rejects what the schema accepts but nothing builds yet."""
     al, a, r = cfg.algorithm, cfg.actor, cfg.resources
     if needs_critic(al.adv_estimator):
-        free = [n for n in ADV_ESTIMATORS.names() if not needs_critic(n)]
+        if cfg.critic.placement == "separate":
+            p.add("critic.placement", "separate", f"a critic {_SEPARATE}")
+        if _builds(cfg.critic.engine, "critic_from_job_config") is False:
+            p.add(
+                "algorithm.adv_estimator",
+                al.adv_estimator,
+                f"needs a critic (value model) and critic.engine={cfg.critic.engine!r} builds "
+                f"none; engines that do: {', '.join(_engines_that('critic_from_job_config'))}",
+            )
+    if needs_reference(al):
+        key = "use_kl_loss" if al.use_kl_loss is True else "use_kl_in_reward"
+        if cfg.ref.placement == "separate":
+            p.add("ref.placement", "separate", f"a reference model {_SEPARATE}")
+        if _builds(a.engine, "reference_from_job_config") is False:
+            p.add(
+                f"algorithm.{key}",
+                True,
+                f"needs a reference model and actor.engine={a.engine!r} builds none; engines "
+                f"that do: {', '.join(_engines_that('reference_from_job_config'))}",
+            )
+    if (needs_critic(al.adv_estimator) or needs_reference(al)) and _trainer_in_group(cfg):
         p.add(
-            "algorithm.adv_estimator",
-            al.adv_estimator,
-            f"needs a critic (value model) and there is no critic engine yet; use one of "
-            f"{', '.join(free)}",
-        )
-    if al.use_kl_loss is True:
-        p.add(
-            "algorithm.use_kl_loss",
-            al.use_kl_loss,
-            "needs reference-model log-probs and there is no reference model yet; set false",
+            "algorithm.adv_estimator"
+            if needs_critic(al.adv_estimator)
+            else "algorithm." + ("use_kl_loss" if al.use_kl_loss is True else "use_kl_in_reward"),
+            al.adv_estimator if needs_critic(al.adv_estimator) else True,
+            "the critic and the reference model run in the driver beside a trainer that runs "
+            "there too; with the trainer as a worker group (resources.trainer_devices>1, "
+            "num_nodes>1, runtime.ray_address or runtime.trainer_in_driver=false) they are "
+            "not built yet",
         )
     if type(r.trainer_devices) is int and r.trainer_devices > 1 and not hasattr(cfg, "runtime"):
         p.add(
@@ -118,8 +190,39 @@ def _settings_of_features_that_are_off(cfg: Any, p: Problems) -> None:
         )  # fmt: skip
     if al.use_kl_loss is not True:
         _reject_changed(
-            p, "algorithm", al, defaults, ("kl_loss_coef", "kl_loss_type", "kl_clamp"),
-            "only read with algorithm.use_kl_loss=true (no reference model yet)",
+            p, "algorithm", al, defaults, ("kl_loss_coef", "kl_loss_type"),
+            "only read with algorithm.use_kl_loss=true",
+        )  # fmt: skip
+    if al.use_kl_in_reward is not True:
+        _reject_changed(
+            p, "algorithm", al, defaults, ("kl_penalty",),
+            "only read with algorithm.use_kl_in_reward=true",
+        )  # fmt: skip
+        names = tuple(f.name for f in fields(KLControlConfig))
+        _reject_changed(
+            p, "algorithm.kl_ctrl", al.kl_ctrl, KLControlConfig(), names,
+            "only read with algorithm.use_kl_in_reward=true",
+        )  # fmt: skip
+    elif al.kl_ctrl.type == "fixed":
+        _reject_changed(
+            p, "algorithm.kl_ctrl", al.kl_ctrl, KLControlConfig(), ("target_kl", "horizon"),
+            "only the adaptive controller (algorithm.kl_ctrl.type=adaptive) reads it",
+        )  # fmt: skip
+    if not needs_reference(al):
+        _reject_changed(
+            p, "algorithm", al, defaults, ("kl_clamp",),
+            "only read with algorithm.use_kl_loss=true or algorithm.use_kl_in_reward=true",
+        )  # fmt: skip
+        names = tuple(f.name for f in fields(ReferenceConfig))
+        _reject_changed(
+            p, "ref", cfg.ref, ReferenceConfig(), names,
+            "nothing reads ref.* unless algorithm.use_kl_loss or algorithm.use_kl_in_reward "
+            "is true (no reference model is built)",
+        )  # fmt: skip
+    elif cfg.ref.param_offload is True and cfg.resources.device == "cpu":
+        p.add(
+            "ref.param_offload", True,
+            "resources.device=cpu keeps every weight in host memory already; leave it false",
         )  # fmt: skip
     if al.rollout_is_level == "none":
         _reject_changed(
@@ -127,6 +230,48 @@ def _settings_of_features_that_are_off(cfg: Any, p: Problems) -> None:
             ("rollout_is_mode", "rollout_is_threshold", "rollout_is_threshold_lower"),
             "only read when algorithm.rollout_is_level is token or sequence",
         )  # fmt: skip
+
+
+@check
+def _critic_and_reference_values(cfg: Any, p: Problems) -> None:
+    """Ranges of the critic's, the reference's and the KL controller's keys, when read."""
+    al, c = cfg.algorithm, cfg.critic
+    if needs_critic(al.adv_estimator):
+        p.require_choice("critic.placement", c.placement, PLACEMENTS)
+        p.require_int("critic.ppo_micro_batch_size_per_device", c.ppo_micro_batch_size_per_device)
+        p.require_int("critic.ppo_epochs", c.ppo_epochs)
+        p.require_int("critic.lr_warmup_steps", c.lr_warmup_steps, minimum=0)
+        if p.require_number("critic.lr", c.lr, low=0.0) and not c.lr > 0:
+            p.add("critic.lr", c.lr, "must be > 0")
+        p.require_number("critic.weight_decay", c.weight_decay, low=0.0)
+        p.require_number("critic.grad_clip", c.grad_clip)
+        cliprange = c.cliprange_value
+        if p.require_number("critic.cliprange_value", cliprange, low=0.0) and not cliprange > 0:
+            p.add("critic.cliprange_value", cliprange, "must be > 0")
+        path = c.model_path
+        if path and isinstance(path, str) and not Path(path).is_dir():
+            p.add("critic.model_path", path, "an existing HF model directory, or empty (the "
+                  "actor's model.path)")  # fmt: skip
+    if needs_reference(al):
+        r = cfg.ref
+        p.require_choice("ref.placement", r.placement, PLACEMENTS)
+        if r.log_prob_micro_batch_size_per_device is not None:
+            p.require_int(
+                "ref.log_prob_micro_batch_size_per_device", r.log_prob_micro_batch_size_per_device
+            )
+        p.require_number("algorithm.kl_clamp", al.kl_clamp, low=0.0)
+    if al.use_kl_in_reward is True:
+        from offbeat.core.algorithms.kl_control import KL_CONTROLLERS
+
+        k = al.kl_ctrl
+        p.require_registered("algorithm.kl_penalty", al.kl_penalty, KL_ESTIMATORS)
+        ok = p.require_choice("algorithm.kl_ctrl.type", k.type, KL_CONTROLLERS)
+        if ok and k.type == "adaptive":
+            target = k.target_kl
+            if p.require_number("algorithm.kl_ctrl.target_kl", target, low=0.0) and not target > 0:
+                p.add("algorithm.kl_ctrl.target_kl", target, "must be > 0")
+            p.require_int("algorithm.kl_ctrl.horizon", k.horizon)
+        p.require_number("algorithm.kl_ctrl.kl_coef", k.kl_coef, low=0.0)
 
 
 @check

@@ -1,8 +1,11 @@
 """The separate_async / sync trainer: agent loop, rollout driver, replica pool, training
-loop, checkpoints and metrics."""
+loop, critic and reference model, checkpoints and metrics."""
 
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, encode_prompt
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from offbeat.core.trainer.critic import Critic
+from offbeat.core.trainer.ppo import CriticAndReference
+from offbeat.core.trainer.reference import KLSettings, Reference
 from offbeat.core.trainer.replicas import NoReplicasLeft, ReplicaPool
 from offbeat.core.trainer.rollout import BusyClock, RolloutDriver, RolloutFailing
 from offbeat.core.trainer.tracking import LOGGERS, MetricsTracker
@@ -15,6 +18,11 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     "Trainer",
     "TrainerSettings",
     "build_train_batch",
+    # critic and reference model (PPO with GAE, KL loss, KL in the reward)
+    "Critic",
+    "CriticAndReference",
+    "KLSettings",
+    "Reference",
     # rollout side
     "BusyClock",
     "GroupFailed",

@@ -3,7 +3,8 @@ train engine, the checkpoint engine, and the training loop.
 
 Knows no engine by name: rollout replicas come from the factory registered in
 `ROLLOUT_ENGINES` under `rollout.engine` (offbeat.rollout_vllm provides "vllm"; a recipe
-may register it), the train engine from `TRAIN_ENGINES` under `actor.engine`. Safe
+may register it), the train engine from `TRAIN_ENGINES` under `actor.engine` (and the
+critic under `critic.engine`, the reference model under `actor.engine`, when needed). Safe
 defaults: Ray starts locally with its dashboard off and binds to loopback; peak memory of
 the trainer and of every replica's process tree is reported each step.
 """
@@ -476,6 +477,7 @@ async def run_with_replicas(
     from offbeat.core.tasks import PromptDataLoader, read_parquet
     from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
     from offbeat.core.trainer.checkpoint import CheckpointManager
+    from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
     from offbeat.core.trainer.rollout import RolloutDriver
     from offbeat.core.trainer.tracking import MetricsTracker
@@ -551,11 +553,15 @@ async def run_with_replicas(
             else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
         )
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
+        # The critic and the reference model, when the algorithm needs them, in this process
+        # beside the actor (critic.placement=actor, ref.placement=actor).
+        critic_ref = CriticAndReference.from_job(cfg)
         tracer = make_tracer(cfg.trainer, run_dir)
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
             version_offset=version_offset, tracer=tracer, step_hooks=rr.hooks,
+            critic_ref=critic_ref,
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
         try:

@@ -31,6 +31,7 @@ import torch
 from offbeat.core import trace
 from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
+from offbeat.core.config.support import needs_critic
 from offbeat.core.data import TrajectoryBatch
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from offbeat.core.trainer.replicas import ReplicaPool
@@ -97,12 +98,17 @@ def build_train_batch(
     dict the train engine reads, with advantages."""
     trajectories = [t for g in groups for t in g.trajectories]
     batch = TrajectoryBatch.pad(trajectories, pad_token_id=s.pad_token_id)
-    advantages, _ = compute_advantages(
-        s.adv_estimator,
-        rewards=batch.rewards,
-        response_mask=batch.response_mask,
-        group_uids=batch.group_uids,
-        norm_by_std=s.norm_adv_by_std_in_grpo,
+    # GAE's advantages come with the critic's values (CriticAndReference.prepare fills them).
+    advantages = (
+        torch.zeros_like(batch.rollout_log_probs)
+        if needs_critic(s.adv_estimator)
+        else compute_advantages(
+            s.adv_estimator,
+            rewards=batch.rewards,
+            response_mask=batch.response_mask,
+            group_uids=batch.group_uids,
+            norm_by_std=s.norm_adv_by_std_in_grpo,
+        )[0]
     )
     data = {
         "input_ids": torch.cat([batch.prompt_ids, batch.response_ids], dim=1),
@@ -151,6 +157,7 @@ class Trainer:
         version_offset: int = 0,
         tracer: trace.Tracer | None = None,
         step_hooks: Sequence[Any] = (),
+        critic_ref: Any = None,
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -177,6 +184,8 @@ class Trainer:
         # After each step, `hook.after_step(step, groups, batch, metrics)` (it may add
         # metrics; e.g. rollout record/replay); `await hook.close()` when the run ends.
         self.step_hooks = list(step_hooks)
+        # The critic and/or reference model (offbeat.core.trainer.ppo.CriticAndReference).
+        self.critic_ref = critic_ref
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -191,7 +200,14 @@ class Trainer:
             "rng": rng_state(),
             "trained_uids": list(self.trained_uids),
             "evicted_uids": list(self.evicted_uids),
+            "critic_ref": self.critic_ref.state() if self.critic_ref is not None else None,
         }
+
+    def _other_engines(self) -> dict[str, Any]:
+        """`others=` for the checkpoint manager: engines saved beside the actor's (the
+        critic); no keyword at all without them."""
+        others = self.critic_ref.engines() if self.critic_ref is not None else {}
+        return {"others": others} if others else {}
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -202,6 +218,8 @@ class Trainer:
         set_rng_state(state["rng"])
         self.trained_uids = list(state.get("trained_uids", []))
         self.evicted_uids = list(state.get("evicted_uids", []))
+        if self.critic_ref is not None and state.get("critic_ref") is not None:
+            self.critic_ref.load_state(state["critic_ref"])
 
     async def _save(self) -> None:
         """Save in a worker thread: the rollout keeps generating meanwhile. The state is
@@ -209,7 +227,9 @@ class Trainer:
         if self.checkpoints is None:
             return
         state = self.state()
-        path = await asyncio.to_thread(self.checkpoints.save, self.step, self.engine, state)
+        path = await asyncio.to_thread(
+            self.checkpoints.save, self.step, self.engine, state, **self._other_engines()
+        )
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
     # ---- validation ----------------------------------------------------------------------
@@ -239,9 +259,16 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         s = self.s
+        if needs_critic(s.adv_estimator) and getattr(self.critic_ref, "critic", None) is None:
+            raise ValueError(
+                f"adv_estimator={s.adv_estimator!r} needs a critic: pass critic_ref="
+                "CriticAndReference.from_job(cfg) (offbeat.core.trainer.ppo)"
+            )
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
-            state = await asyncio.to_thread(self.checkpoints.load, path, self.engine)
+            state = await asyncio.to_thread(
+                self.checkpoints.load, path, self.engine, **self._other_engines()
+            )
             self._restore(state)
             start = self.step + 1
             self.tracker.event(f"resumed from {path} at step {start} (version {self.version})")
@@ -345,6 +372,9 @@ class Trainer:
                     self.engine.compute_log_probs, data, s.temperature
                 )
         old_lp_s = time.perf_counter() - t0
+        extra: dict[str, float] = {}
+        if self.critic_ref is not None:  # ref log-probs, KL in the reward, values, GAE
+            extra = await self.critic_ref.prepare(data, batch.rewards, batch.group_uids)
 
         t0 = time.perf_counter()
         rows_per_mb = s.ppo_mini_batch_size * s.n
@@ -356,6 +386,10 @@ class Trainer:
                     with trace.span("mini-batch", index=k, epoch=epoch):
                         update_metrics.append(await _call(self.engine.update, mb))
         train_s = time.perf_counter() - t0
+        if self.critic_ref is not None:
+            extra.update(
+                await self.critic_ref.update_critic(data, rows_per_mb, s.parameter_sync_step)
+            )
 
         # The last validation must see only its own version: finish it before syncing.
         await self._finish_validation()
@@ -408,6 +442,7 @@ class Trainer:
         for phase, secs in result.phase_s.items():
             metrics[f"timing/sync_{phase}_s"] = secs
         metrics.update(_merge_updates(update_metrics))
+        metrics.update(extra)
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
         for hook in self.step_hooks:
