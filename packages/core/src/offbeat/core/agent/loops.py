@@ -63,9 +63,7 @@ def _tool(cfg: AgentConfig, client: Any, tokenizer: Any, rewards: Any, sampling,
         sticky_sessions=cfg.sticky_sessions,
     )
     tools = [load_tool(spec) for spec in cfg.tools]
-    return ToolAgentLoop(
-        client, tokenizer, rewards, sampling, tools=tools, config=loop_cfg, **kw
-    )
+    return ToolAgentLoop(client, tokenizer, rewards, sampling, tools=tools, config=loop_cfg, **kw)
 
 
 # name -> factory(agent_cfg, client, tokenizer, rewards, sampling, **loop keywords)

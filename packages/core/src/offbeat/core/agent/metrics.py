@@ -34,7 +34,9 @@ def agent_metrics(trajectories: Sequence[Any]) -> dict[str, float]:
         out[f"agent/{key}_frac"] = sum(i.get(key, 0.0) for i in infos) / n
     prompt = sum(i.get("prompt_tokens", 0.0) for i in infos)
     if prompt > 0:
-        out["agent/prefix_cache_hit_rate"] = sum(i.get("cached_tokens", 0.0) for i in infos) / prompt
+        out["agent/prefix_cache_hit_rate"] = (
+            sum(i.get("cached_tokens", 0.0) for i in infos) / prompt
+        )
     policy = total = 0
     for t in trajectories:
         if getattr(t, "info", None) and t.response_mask is not None:

@@ -55,9 +55,7 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     description: str = ""
-    parameters: dict[str, Any] = field(
-        default_factory=lambda: {"type": "object", "properties": {}}
-    )
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI-style function schema chat templates render (`tools=`)."""
@@ -212,7 +210,9 @@ def load_tool(spec: str) -> Tool:
         else:
             module = importlib.import_module(mod_name)
     except Exception as e:
-        raise ValueError(f"tool {spec!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"tool {spec!r}: cannot import {mod_name!r}: {type(e).__name__}: {e}"
+        ) from e
     obj = getattr(module, attr, None)
     if isinstance(obj, Tool):
         return obj
@@ -262,7 +262,9 @@ class ToolRunner:
     async def _one(self, call: ToolCall) -> ToolResult:
         t = self.tools.get(call.name)
         if t is None:
-            return self._error(call.name, f"unknown tool {call.name!r}; tools: {sorted(self.tools)}")
+            return self._error(
+                call.name, f"unknown tool {call.name!r}; tools: {sorted(self.tools)}"
+            )
         problem = t.check_arguments(call.arguments)
         if problem is not None:
             return self._error(call.name, problem)

@@ -163,9 +163,7 @@ class TurnTemplate:
         """The ids of `messages` (tool results, or a user turn) after a closed assistant
         turn, with the next assistant turn opened: the template's delta."""
         with self.lock:
-            full = _render(
-                self.tokenizer, [*self._probe, *messages], add_generation_prompt=True
-            )
+            full = _render(self.tokenizer, [*self._probe, *messages], add_generation_prompt=True)
         base = self._probe_ids
         if full[: len(base)] != base:
             raise TemplateError(

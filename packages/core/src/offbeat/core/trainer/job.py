@@ -454,10 +454,10 @@ async def run_with_replicas(
 
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.ckpt_engine import CheckpointEngineManager
+    from offbeat.core.agent.loops import build_agent
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.tasks import PromptDataLoader, read_parquet
-    from offbeat.core.agent.loops import build_agent
     from offbeat.core.trainer.checkpoint import CheckpointManager
     from offbeat.core.trainer.replicas import ReplicaPool
     from offbeat.core.trainer.rollout import RolloutDriver
