@@ -27,6 +27,7 @@ from offbeat.core.agent.parsers import ToolCall
 from offbeat.core.registry import Registry
 
 __all__ = [
+    "CALCULATOR",
     "TOOLS",
     "Tool",
     "ToolResult",

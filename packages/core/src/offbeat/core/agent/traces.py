@@ -28,7 +28,7 @@ from offbeat.core.agent.tools import CALCULATOR, calculate
 from offbeat.core.agent.turns import TurnTemplate
 from offbeat.core.tasks.rows import row_extra_info, row_messages
 
-__all__ = ["calculator_traces", "trace_ids", "warm_start_on_traces"]
+__all__ = ["calculator_call", "calculator_traces", "trace_ids", "warm_start_on_traces"]
 
 logger = logging.getLogger(__name__)
 
