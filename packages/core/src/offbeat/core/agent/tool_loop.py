@@ -191,7 +191,9 @@ class ToolAgentLoop(SingleTurnAgentLoop):
             raise GroupFailed(f"cannot build the prompt: {type(e).__name__}: {e}") from e
         overrides = {k: v for k, v in (row.get("sampling") or {}).items() if v is not None}
         params = {**self.sampling, **overrides, **(sampling or {})}
-        budget = int(params.pop("max_tokens", None) or params.pop("max_new_tokens", 0) or 0)
+        budget = params.pop("max_tokens", None)
+        budget = int(budget or params.pop("max_new_tokens", None) or 0)
+        params.pop("max_new_tokens", None)
         if budget < 1:
             raise GroupFailed("the tool agent loop needs a max_tokens response budget")
         sessions = await asyncio.gather(
