@@ -214,7 +214,10 @@ class VLLMRolloutServer:
         interrupts it. Bad input raises ValueError before the engine sees it."""
         ids = self._check_prompt(prompt_ids)
         out, version = await self._run(request_id, ids, to_sampling_params(sampling_params))
-        return self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
+        result = self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
+        # Prompt tokens served from the prefix cache (multi-turn sessions reuse theirs).
+        result.extra["num_cached_tokens"] = int(getattr(out, "num_cached_tokens", 0) or 0)
+        return result
 
     async def generate_group(
         self,

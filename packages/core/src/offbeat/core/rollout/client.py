@@ -87,6 +87,7 @@ class _Sample:
         self.logprobs: list[float] = []
         self.routed: list[Any] | None = None
         self.num_preempted = 0
+        self.cached_tokens = 0  # prefix-cache hits the servers reported, over attempts
         self.servers: list[str] = []
         self.first: TokenOutput | None = None
         self.last: TokenOutput | None = None
@@ -121,6 +122,7 @@ class _Sample:
         self.logprobs.extend(out.logprobs[:n_new])
         self.routed = _extend_routed(self.routed, out, n_new, first_attempt=first_attempt)
         self.num_preempted += out.num_preempted
+        self.cached_tokens += int(out.extra.get("num_cached_tokens") or 0)
         if out.stop_reason != "aborted":
             self.stop = "length" if n_new < len(out.token_ids) else out.stop_reason
         elif n_new >= remaining:  # aborted, but the budget is spent
@@ -137,7 +139,11 @@ class _Sample:
             max_weight_version=(self.last_kept or self.last).max_weight_version,
             num_preempted=self.num_preempted,
             routed_experts=self.routed,
-            extra={"num_attempts": len(self.servers), "server_ids": self.servers},
+            extra={
+                "num_attempts": len(self.servers),
+                "server_ids": self.servers,
+                "num_cached_tokens": self.cached_tokens,
+            },
         )
 
 
@@ -240,8 +246,13 @@ class PartialRolloutClient:
         sampling_params: Mapping[str, Any] | None = None,
         *,
         group_id: Any = None,
+        session_id: str | None = None,
     ) -> TokenOutput:
         """One finished response ("stop" or "length") for `prompt_ids`.
+
+        `session_id`: the balancer's sticky key (default `request_id`): the turns of one
+        multi-turn session pass the same one, so they reach the replica that holds their
+        prefix in its cache.
 
         Never mutates `sampling_params`; never asks a server for more than the remaining
         budget (nor for a budget <= 0); `logprobs` and `routed_experts` stay aligned with
@@ -250,8 +261,9 @@ class PartialRolloutClient:
         tokens (see `_Sample`).
         """
         base, budget = self._base(sampling_params)
+        key = session_id if session_id is not None else request_id
         return await self._resume(
-            request_id, request_id, list(prompt_ids), base, _Sample(budget), group_id
+            key, request_id, list(prompt_ids), base, _Sample(budget), group_id
         )
 
     async def generate_group(

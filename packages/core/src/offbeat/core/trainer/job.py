@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from offbeat.core.agent.loops import AgentConfig
 from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.cpus import machine_cpus, pin_process
@@ -90,6 +91,7 @@ class RunConfig(JobConfig):
     dataset is given, a brief warm start, and runtime knobs."""
 
     task: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
@@ -471,11 +473,11 @@ async def run_with_replicas(
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
+    from offbeat.core.agent.loops import build_agent
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
-    from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
     from offbeat.core.trainer.checkpoint import CheckpointManager
     from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
@@ -522,9 +524,10 @@ async def run_with_replicas(
             )
         )
         pool = ReplicaPool(servers, balancer, manager)
-        agent = SingleTurnAgentLoop(
-            client, tokenizer, rewards, base_sampling(cfg), prompt_key=cfg.data.prompt_key,
-            max_prompt_length=cfg.data.max_prompt_length, on_engine_error=pool.on_engine_error,
+        agent = build_agent(
+            cfg.agent, client, tokenizer, rewards, base_sampling(cfg),
+            prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+            on_engine_error=pool.on_engine_error,
         )  # fmt: skip
         loader = PromptDataLoader(p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         # rollout.replay / rollout.record: the driver's loader and agent, the trainer's hooks.
@@ -543,6 +546,8 @@ async def run_with_replicas(
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
         validator = Validator.from_job(cfg, agent, val_rows)
+        if validator is not None and cfg.agent.val_without_tools:
+            validator.baselines["no_tools"] = agent.loop("single_turn")
         tracker = MetricsTracker(
             run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
             progress=rt.progress_bar,

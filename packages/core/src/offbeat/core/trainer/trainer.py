@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from offbeat.core import trace
+from offbeat.core.agent.metrics import agent_metrics
 from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
 from offbeat.core.config.support import needs_critic
@@ -112,7 +113,8 @@ def build_train_batch(
     )
     data = {
         "input_ids": torch.cat([batch.prompt_ids, batch.response_ids], dim=1),
-        "attention_mask": torch.cat([batch.prompt_mask, batch.response_mask], dim=1),
+        # Tool and template tokens of a multi-turn response are attended to, not trained.
+        "attention_mask": batch.attention_mask,
         "response_mask": batch.response_mask,
         "advantages": advantages.float(),
         "rollout_log_probs": batch.rollout_log_probs,
@@ -439,6 +441,7 @@ class Trainer:
             "perf/rollout_idle_frac": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
             "memory/trainer_peak_rss_gb": _peak_rss_gb(),
         }
+        metrics.update(agent_metrics([t for g in groups for t in g.trajectories]))
         for phase, secs in result.phase_s.items():
             metrics[f"timing/sync_{phase}_s"] = secs
         metrics.update(_merge_updates(update_metrics))
