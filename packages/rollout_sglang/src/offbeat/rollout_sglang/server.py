@@ -25,7 +25,7 @@ from typing import Any
 
 from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.core.rollout.protocol import TokenOutput
-from offbeat.rollout_sglang._http import SGLangHTTP, SGLangHTTPError
+from offbeat.rollout_sglang._http import SGLangHTTP, SGLangHTTPError, SGLangRequestRejected
 from offbeat.rollout_sglang._process import SGLangProcess
 from offbeat.rollout_sglang._sampling import to_sglang_sampling
 from offbeat.rollout_sglang._weights import group_key, update_plan
@@ -227,9 +227,10 @@ class SGLangRolloutServer:
                 raise
             # abort_all() dropped it: it was held at SGLang's pause gate, no tokens yet.
             return self._output([], [], "aborted", version)
+        except SGLangRequestRejected:
+            raise  # the request's fault (SGLang's 4xx): the replica stays healthy
         except SGLangHTTPError as e:
-            if e.status is None or e.status >= 500:
-                self._failure = str(e)
+            self._failure = str(e)  # a 5xx, a malformed body, no answer
             raise
         finally:
             self._inflight.pop(rid, None)
