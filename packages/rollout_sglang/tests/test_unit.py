@@ -95,3 +95,27 @@ def test_rollout_engine_sglang_passes_check():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "is valid" in out.stdout
+
+
+def test_the_job_owns_dtype_parallelism_and_tokenizer():
+    from types import SimpleNamespace
+
+    from offbeat.rollout_sglang.replica import server_args_of
+
+    job = SimpleNamespace(
+        model=SimpleNamespace(
+            dtype="bfloat16",
+            trust_remote_code=False,
+            override_config={"rope_theta": 1e6},
+            tokenizer_path="/tok",
+        ),
+        rollout=SimpleNamespace(tensor_parallel_size=2, engine_kwargs={"mem_fraction_static": 0.6}),
+    )
+    assert server_args_of(job) == {
+        "dtype": "bfloat16",
+        "tp_size": 2,
+        "trust_remote_code": False,
+        "json_model_override_args": '{"rope_theta": 1000000.0}',
+        "tokenizer_path": "/tok",
+        "mem_fraction_static": 0.6,
+    }

@@ -5,13 +5,9 @@ Importing this package does not import SGLang: the server runs as its own proces
 (`python -m sglang.launch_server`), started by the replica's Ray actor.
 """
 
-# The replica and its configuration
-# Talking to the server
 from offbeat.rollout_sglang._http import SGLangHTTP, SGLangHTTPError, SGLangRequestRejected
 from offbeat.rollout_sglang._process import SGLangProcess
 from offbeat.rollout_sglang._weights import SUPPORTED_BACKENDS, update_plan
-
-# The registry entry and the Ray shell
 from offbeat.rollout_sglang.replica import RemoteSGLangServer, sglang_replica, sglang_server_actor
 from offbeat.rollout_sglang.server import SGLangRolloutServer, SGLangServerConfig
 

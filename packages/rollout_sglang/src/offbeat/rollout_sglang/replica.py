@@ -10,13 +10,18 @@ once this package is installed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.core.rollout.protocol import TokenOutput
 
+# The python that runs `sglang.launch_server` (default: the actor's own).
+SGLANG_PYTHON = "OFFBEAT_SGLANG_PYTHON"
+
 __all__ = [
+    "SGLANG_PYTHON",
     "RemoteSGLangServer",
     "register",
     "server_args_of",
@@ -108,11 +113,14 @@ def sglang_replica(job: Any, model_path: str, index: int) -> Any:
     from offbeat.rollout_sglang.server import SGLangServerConfig
 
     rt = job.runtime
+    # SGLang's CUDA stack usually lives in an environment of its own: name its python.
+    python = os.environ.get(SGLANG_PYTHON)
     config = SGLangServerConfig(
         model=model_path,
         server_args=server_args_of(job),
         server_id=f"rollout-{index}",
         env=dict(rt.rollout_env),
+        command=[python, "-m", "sglang.launch_server"] if python else None,
     )
     handle = sglang_server_actor(config, num_cpus=rt.rollout_num_cpus, num_gpus=rt.rollout_num_gpus)
     return RemoteSGLangServer(handle, weight_version=config.weight_version)
