@@ -50,6 +50,11 @@ class TestEngine:
     def reset(self) -> None:
         from sglang.srt.managers.tokenizer_manager import ServerStatus
 
+        # A request still hanging from the previous test ends now, without a trace.
+        old = getattr(self, "hang_release", None)
+        if old is not None:
+            old.set()
+        self.hang_release = asyncio.Event()
         self.server_status = ServerStatus.Up
         self.gracefully_exit = False
         self.last_receive_tstamp = 0.0
@@ -96,7 +101,11 @@ class TestEngine:
         sp.normalize(None)
         sp.verify(VOCAB)  # SGLang's own validation: a bad value is a ValueError -> 400
         if self.hang_s:
-            await asyncio.sleep(self.hang_s)
+            release = self.hang_release
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(release.wait(), self.hang_s)
+            if release.is_set():  # reset() since: this request belongs to an earlier test
+                raise InjectedError("engine reset while the request hung", 503)
         async with self.is_pause_cond:
             await self.is_pause_cond.wait_for(lambda: not self.is_pause)
         aborted = self.abort_events.setdefault(rid, asyncio.Event())
