@@ -119,3 +119,22 @@ def test_the_job_owns_dtype_parallelism_and_tokenizer():
         "tokenizer_path": "/tok",
         "mem_fraction_static": 0.6,
     }
+
+
+def test_vllm_engine_kwargs_are_named_with_their_sglang_names():
+    from types import SimpleNamespace
+
+    from offbeat.rollout_sglang.replica import server_args_of
+
+    job = SimpleNamespace(
+        rollout=SimpleNamespace(engine_kwargs={"max_model_len": 128, "enforce_eager": True})
+    )
+    with pytest.raises(ValueError) as e:
+        server_args_of(job)
+    assert (
+        "rollout.engine_kwargs.enforce_eager=True is vLLM's, SGLang's is disable_cuda_graph"
+        in str(e.value)
+    )
+    assert "rollout.engine_kwargs.max_model_len=128 is vLLM's, SGLang's is context_length" in str(
+        e.value
+    )

@@ -22,6 +22,7 @@ SGLANG_PYTHON = "OFFBEAT_SGLANG_PYTHON"
 
 __all__ = [
     "SGLANG_PYTHON",
+    "VLLM_ONLY_KEYS",
     "RemoteSGLangServer",
     "register",
     "server_args_of",
@@ -30,12 +31,34 @@ __all__ = [
 ]
 
 
+# vLLM engine arguments a recipe written for vLLM may carry, and SGLang's names for them.
+VLLM_ONLY_KEYS = {
+    "max_model_len": "context_length",
+    "enforce_eager": "disable_cuda_graph",
+    "max_num_seqs": "max_running_requests",
+    "gpu_memory_utilization": "mem_fraction_static",
+    "tensor_parallel_size": "tp_size (set rollout.tensor_parallel_size)",
+    "hf_overrides": "json_model_override_args (set model.override_config)",
+}
+
+
 def server_args_of(job: Any) -> dict[str, Any]:
     """`sglang.launch_server` arguments for `job`: what the job config owns (dtype, tensor
     parallelism, tokenizer, remote-code switch, HF config overrides) plus
-    `rollout.engine_kwargs`, which are SGLang `ServerArgs` fields here."""
+    `rollout.engine_kwargs`, which are SGLang `ServerArgs` fields here. Raises ValueError
+    naming each vLLM-only key (with SGLang's name for it) before anything starts."""
     import json
 
+    vllm_keys = sorted(k for k in job.rollout.engine_kwargs if k in VLLM_ONLY_KEYS)
+    if vllm_keys:
+        raise ValueError(
+            "rollout.engine=sglang: rollout.engine_kwargs are sglang.launch_server arguments; "
+            + "; ".join(
+                f"rollout.engine_kwargs.{k}={job.rollout.engine_kwargs[k]!r} is vLLM's, "
+                f"SGLang's is {VLLM_ONLY_KEYS[k]}"
+                for k in vllm_keys
+            )
+        )
     m = job.model
     args: dict[str, Any] = {
         "dtype": m.dtype,
