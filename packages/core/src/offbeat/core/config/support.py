@@ -92,7 +92,6 @@ def _builds(engine: Any, builder: str) -> bool | None:
         return None
 
 
-@check
 def _trainer_in_group(cfg: Any) -> bool:
     """Whether a recipe's trainer runs as a worker group (offbeat.core.runtime.launch's
     `trainer_in_driver`, false); a bare JobConfig has no runtime and one rank."""
@@ -104,6 +103,7 @@ def _trainer_in_group(cfg: Any) -> bool:
     return not (r.trainer_devices == 1 and r.num_nodes == 1 and not rt.ray_address)
 
 
+@check
 def _not_built_yet(cfg: Any, p: Problems) -> None:
     """The one place that rejects what the schema accepts but nothing builds yet."""
     al, a, r = cfg.algorithm, cfg.actor, cfg.resources
