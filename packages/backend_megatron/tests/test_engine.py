@@ -1,0 +1,222 @@
+"""MegatronTrainEngine on CPU (TP = PP = 1, the `torch` optimizer path): its log-probs are
+transformers' on the same HF weights, one PPO update is the FSDP2 engine's, a save -> load
+gives the identical next update, and the export is the HF checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from offbeat.backend_megatron import MegatronConfig, MegatronTrainEngine
+from offbeat.backend_megatron.convert import megatron_to_hf
+from offbeat.core.models import build_tiny_model
+from offbeat.core.train import FSDP2Config, FSDP2TrainEngine, OptimConfig, PPOLoss, PPOLossConfig
+
+VOCAB = 260  # the character tokenizer's vocabulary
+LR, EPS = 1e-2, 1e-3
+TIMED = ("actor/max_memory_gb", "perf/tflops_per_device", "perf/mfu")
+
+
+def tiny_model_dir(root: Path, tied: bool) -> Path:
+    return build_tiny_model(
+        root / ("tied" if tied else "untied"),
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, tie_word_embeddings=tied, initializer_range=0.1,
+    )  # fmt: skip
+
+
+def make_batch(rows: int, prompt: int = 6, response: int = 7, seed: int = 0) -> dict:
+    """Left-padded prompts, right-padded responses of varied lengths, PPO fields."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (rows, prompt + response), generator=g)
+    attention_mask = torch.ones(rows, prompt + response, dtype=torch.long)
+    response_mask = torch.zeros(rows, response)
+    for i in range(rows):
+        p_len = int(torch.randint(1, prompt + 1, (1,), generator=g))
+        r_len = int(torch.randint(1, response + 1, (1,), generator=g))
+        attention_mask[i, : prompt - p_len] = 0
+        attention_mask[i, prompt + r_len :] = 0
+        response_mask[i, :r_len] = 1
+    input_ids = input_ids * attention_mask
+    advantages = torch.randn(rows, 1, generator=g).expand(rows, response) * response_mask
+    noise = torch.randn(rows, response, generator=g) * 0.1
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "advantages": advantages,
+        "noise": noise,
+    }
+
+
+def with_old_log_probs(engine, batch: dict) -> dict:
+    proximal = engine.compute_log_probs(batch)
+    behaviour = proximal + batch["noise"] * batch["response_mask"]
+    return {**batch, "old_log_probs": proximal, "rollout_log_probs": behaviour}
+
+
+def optim() -> OptimConfig:
+    return OptimConfig(lr=LR, eps=EPS, weight_decay=0.01, grad_clip=1.0)
+
+
+def megatron(model_dir: Path, loss: PPOLossConfig | None = None, **kw) -> MegatronTrainEngine:
+    config = MegatronConfig(model_path=str(model_dir), device="cpu", optim=optim(), **kw)
+    return MegatronTrainEngine(config, loss_fn=PPOLoss(loss or PPOLossConfig()))
+
+
+def fsdp2(model_dir: Path, loss: PPOLossConfig | None = None) -> FSDP2TrainEngine:
+    config = FSDP2Config(model_path=str(model_dir), device="cpu", micro_batch_size=4, optim=optim())
+    return FSDP2TrainEngine(config, loss_fn=PPOLoss(loss or PPOLossConfig()))
+
+
+def hf_grads(engine: MegatronTrainEngine) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in engine.model.named_parameters():
+        out.update(megatron_to_hf(engine.spec, name, p.grad.detach().clone()))
+    return out
+
+
+def params(engine) -> dict[str, torch.Tensor]:
+    return {name: t.detach().cpu().clone() for name, t in engine.export_weights()}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[bool, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {tied: tiny_model_dir(root, tied) for tied in (False, True)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_groups():
+    """The engine starts a private 1-process group and Megatron's groups when none exist;
+    leave none behind."""
+    existed = dist.is_initialized()
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if not existed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_equal_transformers_on_the_same_weights(model_dirs, tied, temperature):
+    from transformers import AutoModelForCausalLM
+
+    from offbeat.core.train._batch import position_ids_of, token_log_probs
+
+    engine = megatron(model_dirs[tied], micro_batch_size=3)
+    batch = make_batch(7)
+    got = engine.compute_log_probs(batch, temperature=temperature)
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs[tied], torch_dtype=torch.float32).eval()
+    width = batch["response_mask"].shape[1]
+    with torch.no_grad():
+        logits = hf(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=position_ids_of(batch),
+        ).logits[:, -(width + 1) : -1]
+    want = token_log_probs(logits / temperature, batch["input_ids"][:, -width:])
+    want = want * batch["response_mask"]
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_export_before_any_update_is_the_hf_checkpoint(model_dirs):
+    from safetensors.torch import load_file
+
+    for tied, path in model_dirs.items():
+        engine = megatron(path)
+        got = params(engine)
+        want = load_file(str(path / "model.safetensors"))
+        want = {k: v for k, v in want.items() if not (tied and k == "lm_head.weight")}
+        assert sorted(got) == sorted(want)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), name
+
+
+LOSSES = {
+    "bypass": PPOLossConfig(),
+    "decoupled_entropy": PPOLossConfig(rollout_is_level="token", entropy_coeff=0.01),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_one_ppo_update_matches_the_fsdp2_engine(model_dirs, loss):
+    batch = make_batch(6, seed=3)
+    engines = {
+        "megatron": megatron(model_dirs[False], loss=LOSSES[loss]),
+        "fsdp2": fsdp2(model_dirs[False], loss=LOSSES[loss]),
+    }
+    # One batch for both: proximal log-probs from one engine, the behaviour policy off by noise.
+    data = with_old_log_probs(engines["megatron"], batch)
+    if loss == "bypass":
+        data.pop("old_log_probs")
+    results = {}
+    for name, engine in engines.items():
+        metrics = engine.update(data)
+        grads = (
+            hf_grads(engine)
+            if name == "megatron"
+            else {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
+        )
+        results[name] = (params(engine), grads, metrics)
+    (m_params, m_grads, m_metrics), (f_params, f_grads, f_metrics) = results.values()
+    assert sorted(m_params) == sorted(f_params) == sorted(m_grads)
+    for name in f_params:
+        scale = float(f_grads[name].abs().max()) or 1.0
+        torch.testing.assert_close(
+            m_grads[name], f_grads[name], atol=1e-5 * scale, rtol=1e-4, msg=name
+        )
+        # Adam's first step moves a parameter by lr * g / (|g| + eps): a gradient difference
+        # dg moves it by at most lr * |dg| / eps.
+        dg = float((m_grads[name] - f_grads[name]).abs().max())
+        atol = 1e-6 + 2 * LR * dg / EPS
+        torch.testing.assert_close(m_params[name], f_params[name], atol=atol, rtol=0, msg=name)
+    assert set(m_metrics) - set(TIMED) == set(f_metrics) - set(TIMED)
+    for key in set(f_metrics) - set(TIMED):
+        assert m_metrics[key] == pytest.approx(f_metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_save_then_load_gives_the_identical_next_update(model_dirs, tmp_path):
+    first, second = make_batch(4, seed=1), make_batch(4, seed=2)
+    a = megatron(model_dirs[True], loss=LOSSES["decoupled_entropy"])
+    a.update(with_old_log_probs(a, first))
+    a.save(str(tmp_path / "ckpt"))
+    want_metrics = a.update(with_old_log_probs(a, second))
+    want = params(a)
+
+    b = megatron(model_dirs[True], loss=LOSSES["decoupled_entropy"])
+    b.load(str(tmp_path / "ckpt"))
+    assert b.global_update_count == 1 and b.lr == a.lr
+    got_metrics = b.update(with_old_log_probs(b, second))
+    got = params(b)
+    assert b.global_update_count == a.global_update_count == 2
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    for key in set(want_metrics) - set(TIMED):
+        assert got_metrics[key] == want_metrics[key], key
+
+
+def test_save_before_any_update_restores_the_weights_only(model_dirs, tmp_path):
+    a = megatron(model_dirs[False])
+    a.save(str(tmp_path / "fresh"))
+    b = megatron(model_dirs[False])
+    b.update(with_old_log_probs(b, make_batch(4)))
+    with pytest.raises(ValueError, match="saved before any update"):
+        b.load(str(tmp_path / "fresh"))
+    with pytest.raises(FileNotFoundError, match="no complete train-engine checkpoint"):
+        b.load(str(tmp_path / "missing"))
+
+
+def test_config_errors_name_the_key_and_the_choices(model_dirs):
+    with pytest.raises(ValueError, match=r"optimizer='sgd': must be one of"):
+        MegatronConfig(optimizer="sgd").validate()
+    with pytest.raises(ValueError, match="sequence_parallel=True: needs tensor_model_parallel"):
+        MegatronConfig(sequence_parallel=True).validate()
+    with pytest.raises(ValueError, match="optimizer=megatron: needs CUDA"):
+        megatron(model_dirs[False], optimizer="megatron")
