@@ -4,8 +4,8 @@ Knows nothing about the trainer's step checkpoints. On the ``megatron`` optimize
 (CUDA) a checkpoint is Megatron's dist-checkpointing: ``dist/`` holds the model's and the
 distributed optimizer's sharded state dicts (resharding-aware), ``engine_state.pt`` the
 update count, written last so its presence marks a complete checkpoint. Every rank writes
-into ``<path>.tmp``; rank 0 renames it to ``<path>``. On the ``torch`` path (TP = PP = 1,
-any device) it is core's DCP checkpoint of the plain model and its AdamW + LR schedule
+into ``<path>.tmp``; rank 0 renames it to ``<path>``. On the ``torch`` path (PP = 1, any
+device) it is core's DCP checkpoint of the plain model and its AdamW + LR schedule
 (`offbeat.core.train._checkpoint`): Megatron's writer synchronises CUDA after staging,
 which a CPU host cannot.
 """

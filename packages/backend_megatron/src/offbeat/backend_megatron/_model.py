@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -159,6 +160,23 @@ def build_model(hf: Any, tconfig: Any, spec: DecoderSpec) -> torch.nn.Module:
         rotary_percent=1.0,
         parallel_output=True,
     )
+
+
+def keep_rope_on_cpu(model: torch.nn.Module) -> None:
+    """Megatron's RoPE moves its frequencies to ``torch.cuda.current_device()`` on the first
+    forward whenever they are on the CPU; a CPU model computes them where they are (the
+    same formula: non-interleaved halves, as HF's rotate_half)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    def get_emb(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        if self.rotary_interleaved:
+            raise ValueError("interleaved RoPE is not what HF Qwen2/Llama use")
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.get_emb = types.MethodType(get_emb, module)
 
 
 def layer_offset(model: torch.nn.Module) -> int:

@@ -7,8 +7,9 @@ Knows nothing about batches or losses. Two optimizer paths, chosen by `optimizer
   state sharded over data-parallel ranks). Megatron's optimizer and gradient buffers place
   tensors on ``cuda`` by name, so this path needs CUDA.
 - ``torch``: core's AdamW and LR schedule over the plain model (exactly the FSDP2 engine's
-  optimizer math), gradients averaged over data-parallel ranks with one all-reduce each;
-  any device, TP = PP = 1. It is what runs on CPUs.
+  optimizer math), gradients averaged over data-parallel ranks with one all-reduce each,
+  the grad norm summed over TP shards (replicated parameters counted once); any device,
+  PP = 1. It is what runs on CPUs.
 """
 
 from __future__ import annotations
@@ -74,8 +75,10 @@ class TorchOptimizer:
 
     kind = "torch"
 
-    def __init__(self, model: torch.nn.Module, config: OptimConfig, dp_group: Any) -> None:
-        self.model, self.config, self.dp_group = model, config, dp_group
+    def __init__(
+        self, model: torch.nn.Module, config: OptimConfig, dp_group: Any, tp_group: Any
+    ) -> None:
+        self.model, self.config, self.dp_group, self.tp_group = model, config, dp_group, tp_group
         self.optimizer = build_optimizer(model.parameters(), config)
         self.scheduler = build_lr_scheduler(self.optimizer, config)
 
@@ -92,10 +95,13 @@ class TorchOptimizer:
         if dist.get_world_size(self.dp_group) > 1:
             for p in params:
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.dp_group)
-        if self.config.grad_clip > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+        if dist.get_world_size(self.tp_group) == 1:
+            if self.config.grad_clip > 0:
+                norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+            else:
+                norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
         else:
-            norm = float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            norm = self._clip_tp(params)
         skipped = not math.isfinite(norm)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
@@ -113,6 +119,23 @@ class TorchOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
+
+    @torch.no_grad()
+    def _clip_tp(self, params: list[torch.nn.Parameter]) -> float:
+        """clip_grad_norm_ over a TP group: a TP-split parameter's shards add up, a
+        replicated one counts once (on TP rank 0)."""
+        first = dist.get_rank(self.tp_group) == 0
+        squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        for p in params:
+            if getattr(p, "tensor_model_parallel", False) or first:
+                squares += p.grad.float().pow(2).sum()
+        dist.all_reduce(squares, group=self.tp_group)
+        norm = squares.sqrt()
+        if self.config.grad_clip > 0:
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return float(norm)
 
     @property
     def has_state(self) -> bool:

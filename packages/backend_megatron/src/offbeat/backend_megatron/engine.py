@@ -59,7 +59,7 @@ class MegatronConfig:
     Field names and meanings follow `offbeat.core.train.FSDP2Config` where they overlap.
     `param_dtype` is the model's dtype (with the ``megatron`` optimizer, float32 master
     weights live in the distributed optimizer); `optimizer`: ``megatron`` (DDP +
-    distributed optimizer, CUDA), ``torch`` (core's AdamW, TP = PP = 1, any device) or
+    distributed optimizer, CUDA), ``torch`` (core's AdamW, PP = 1, any device) or
     ``auto`` (megatron on CUDA, torch elsewhere). `gradient_checkpointing` recomputes each
     decoder layer in backward.
     """
@@ -190,9 +190,9 @@ class MegatronTrainEngine:
         kind = config.optimizer
         if kind == "auto":
             kind = "megatron" if self._device.type == "cuda" else "torch"
-        if kind == "torch" and (tp, pp) != (1, 1):
+        if kind == "torch" and pp != 1:
             raise ValueError(
-                f"train_engine.optimizer=torch: runs TP = PP = 1 only, got TP={tp}, PP={pp}; "
+                f"train_engine.optimizer=torch: runs PP = 1 only, got PP={pp}; "
                 "use optimizer=megatron (CUDA)"
             )
         if kind == "megatron" and self._device.type != "cuda":
@@ -209,7 +209,9 @@ class MegatronTrainEngine:
             recompute=config.gradient_checkpointing, on_cpu=self._device.type == "cpu",
         )  # fmt: skip
         model = _model.build_model(self._hf, self._tconfig, self.spec)
-        if self._device.type != "cpu":
+        if self._device.type == "cpu":
+            _model.keep_rope_on_cpu(model)
+        else:
             model = model.to(self._device)
         self._tp_group = ps.get_tensor_model_parallel_group()
         self._pp_group = ps.get_pipeline_model_parallel_group()
@@ -220,7 +222,7 @@ class MegatronTrainEngine:
         if kind == "megatron":
             self._opt: Any = MegatronOptimizer(model, self._tconfig, config.optim)
         else:
-            self._opt = TorchOptimizer(model, config.optim, self._dp_group)
+            self._opt = TorchOptimizer(model, config.optim, self._dp_group, self._tp_group)
         self._model = self._opt.model  # what runs forward (DDP-wrapped on the megatron path)
         self._updates = 0
         self._last_stage = ps.is_pipeline_last_stage()
@@ -461,11 +463,21 @@ class MegatronTrainEngine:
                 del tensor
 
     # ---------------------------------------------------------------- checkpoint
+    def _check_checkpointable(self) -> None:
+        if self._opt.kind == "torch" and self.config.tensor_model_parallel_size > 1:
+            # Core's DCP checkpoint names a parameter once; TP shards share that name.
+            raise NotImplementedError(
+                "save/load with train_engine.optimizer=torch at tensor_model_parallel_size="
+                f"{self.config.tensor_model_parallel_size}: use optimizer=megatron (CUDA) or TP=1"
+            )
+
     def save(self, path: str) -> None:
+        self._check_checkpointable()
         self._bind_device()
         _checkpoint.save(path, self._module, self._opt, {"global_update_count": self._updates})
 
     def load(self, path: str) -> None:
+        self._check_checkpointable()
         self._bind_device()
         extra = _checkpoint.load(path, self._module, self._opt)
         self._updates = int(extra["global_update_count"])
