@@ -157,3 +157,48 @@ def test_config_errors_name_the_key_and_the_choices(model_dirs):
         MegatronConfig(sequence_parallel=True).validate()
     with pytest.raises(ValueError, match="optimizer=megatron: needs CUDA"):
         megatron(model_dirs[False], optimizer="megatron")
+
+
+class _Replica:
+    """An in-process SyncTarget: copies what the checkpoint engine delivers."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+        self.weight_version = 0
+
+    async def abort_all(self) -> None: ...
+    async def release_kv_cache(self) -> None: ...
+    async def resume_kv_cache(self) -> None: ...
+    async def resume(self) -> None: ...
+
+    def _load(self, pairs) -> None:
+        for name, t in pairs:
+            self.weights[name] = t.clone()
+
+    async def update_weights(self, spec) -> int:
+        import asyncio
+
+        from offbeat.ckpt_engine import receive
+
+        self.weight_version = await asyncio.to_thread(
+            receive, spec, self._load, self.weight_version
+        )
+        return self.weight_version
+
+
+@pytest.mark.parametrize("backend", ["naive", "shm"])
+def test_export_feeds_the_checkpoint_engine_unchanged(model_dirs, backend):
+    import asyncio
+
+    from offbeat.ckpt_engine import CheckpointEngineManager
+
+    engine = megatron(model_dirs[False])
+    engine.update(with_old_log_probs(engine, make_batch(4)))
+    replica = _Replica()
+    manager = CheckpointEngineManager(backend, bucket_bytes=1 << 14, phase_timeout_s=60)
+    result = asyncio.run(manager.sync(engine.export_weights, 1, targets={"r": replica}))
+    assert result.succeeded == ["r"], result.failed
+    want = params(engine)
+    assert sorted(replica.weights) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(replica.weights[name], tensor), name

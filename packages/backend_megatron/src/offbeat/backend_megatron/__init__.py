@@ -16,7 +16,8 @@ from offbeat.backend_megatron.convert import (
     megatron_to_hf,
     split_tp_shard,
 )
-from offbeat.backend_megatron.engine import MegatronConfig, MegatronTrainEngine
+from offbeat.backend_megatron.config import MegatronConfig
+from offbeat.backend_megatron.engine import MegatronTrainEngine
 
 
 def register() -> None:

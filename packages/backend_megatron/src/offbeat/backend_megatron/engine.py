@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from offbeat.backend_megatron import _checkpoint, _model
+from offbeat.backend_megatron import _checkpoint, _inputs, _model
 from offbeat.backend_megatron._logprobs import vocab_parallel_log_probs
 from offbeat.backend_megatron._parallel import MegatronOptimizer, TorchOptimizer, init_parallel
+from offbeat.backend_megatron.config import DTYPES, MegatronConfig
 from offbeat.backend_megatron.convert import (
     DecoderSpec,
     global_name,
@@ -44,126 +44,8 @@ from offbeat.core.train.flops import (
     training_flops,
 )
 from offbeat.core.train.loss import PPOLoss, PPOLossConfig
-from offbeat.core.train.optim import OptimConfig
 
 __all__ = ["MegatronConfig", "MegatronTrainEngine"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OPTIMIZERS = ("auto", "megatron", "torch")
-
-
-@dataclass
-class MegatronConfig:
-    """How the Megatron engine builds, splits and trains its model.
-
-    Field names and meanings follow `offbeat.core.train.FSDP2Config` where they overlap.
-    `param_dtype` is the model's dtype (with the ``megatron`` optimizer, float32 master
-    weights live in the distributed optimizer); `optimizer`: ``megatron`` (DDP +
-    distributed optimizer, CUDA), ``torch`` (core's AdamW, PP = 1, any device) or
-    ``auto`` (megatron on CUDA, torch elsewhere). `gradient_checkpointing` recomputes each
-    decoder layer in backward.
-    """
-
-    model_path: str = ""
-    device: str | None = None
-    micro_batch_size: int = 4
-    temperature: float = 1.0
-    param_dtype: str = "float32"
-    export_dtype: str | None = None
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    optimizer: str = "auto"
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
-    override_config: dict[str, Any] = field(default_factory=dict)
-    peak_tflops: float | None = None
-    seed: int = 0
-    optim: OptimConfig = field(default_factory=OptimConfig)
-
-    def validate(self, prefix: str = "train_engine") -> None:
-        """Raise ValueError naming the key, the bad value and what would be valid."""
-        if not self.temperature > 0:
-            raise ValueError(f"{prefix}.temperature={self.temperature!r}: must be > 0")
-        for key in (
-            "micro_batch_size",
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-        ):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{prefix}.{key}={getattr(self, key)!r}: must be >= 1")
-        for key in ("param_dtype", "export_dtype"):
-            value = getattr(self, key)
-            if value is not None and value not in _DTYPES:
-                raise ValueError(f"{prefix}.{key}={value!r}: must be one of {sorted(_DTYPES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"{prefix}.optimizer={self.optimizer!r}: must be one of {OPTIMIZERS}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError(
-                f"{prefix}.sequence_parallel=True: needs tensor_model_parallel_size > 1"
-            )
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ValueError(f"{prefix}.peak_tflops={self.peak_tflops!r}: must be > 0, or None")
-        self.optim.validate(f"{prefix}.optim")
-
-    @classmethod
-    def from_job_config(cls, job: Any) -> MegatronConfig:
-        """The actor's engine config from a `offbeat.core.config.JobConfig` (as
-        `FSDP2Config.from_job_config`, plus the actor's TP and PP sizes)."""
-        from offbeat.core.train import FSDP2Config
-
-        base = FSDP2Config.from_job_config(job)
-        return cls(
-            model_path=base.model_path,
-            device=base.device,
-            micro_batch_size=base.micro_batch_size,
-            temperature=base.temperature,
-            param_dtype=base.param_dtype,
-            export_dtype=base.export_dtype,
-            tensor_model_parallel_size=job.actor.tensor_model_parallel_size,
-            pipeline_model_parallel_size=job.actor.pipeline_model_parallel_size,
-            gradient_checkpointing=base.gradient_checkpointing,
-            trust_remote_code=base.trust_remote_code,
-            override_config=base.override_config,
-            seed=job.trainer.seed,
-            optim=base.optim,
-        )
-
-
-def _packed(mb: dict[str, Any], multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input ids with each row's real tokens moved to the front, cut to the longest row
-    (rounded up to `multiple`); the packed column of the logit that predicts each response
-    column; the response targets)."""
-    ids, mask = mb["input_ids"], mb["attention_mask"].long()
-    width = mb["response_mask"].shape[1]
-    order = torch.argsort(1 - mask, dim=1, stable=True)  # real tokens first, in order
-    length = int(mask.sum(dim=1).max())
-    length = -(-length // multiple) * multiple
-    packed = ids.gather(1, order)[:, :length]
-    if packed.shape[1] < length:
-        packed = torch.nn.functional.pad(packed, (0, length - packed.shape[1]))
-    column = mask.cumsum(dim=1)[:, -width:] - 1  # packed column of each response token
-    return packed, (column - 1).clamp(min=0), ids[:, -width:]
-
-
-def _freeze_padding_row(model: torch.nn.Module, hf: Any) -> None:
-    """HF builds its input embedding with ``padding_idx = pad_token_id``: a lookup of that
-    token passes no gradient to its row (a tied LM head still does). Do the same, so both
-    engines train the same parameters: the lookup's output at pad tokens is detached."""
-    pad = getattr(hf, "pad_token_id", None)
-    embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
-    if pad is None or embedding is None:
-        return
-
-    def detach_pad(module: Any, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        is_pad = (args[0] == pad).unsqueeze(-1)
-        return (
-            torch.where(is_pad, output.detach(), output)
-            if is_pad.shape[:2] == output.shape[:2]
-            else output
-        )
-
-    embedding.register_forward_hook(detach_pad)
 
 
 @register_train_engine("megatron")
@@ -203,7 +85,7 @@ class MegatronTrainEngine:
             config.model_path, config.trust_remote_code, config.override_config
         )
         self.spec = DecoderSpec.from_hf_config(self._hf, vocab_multiple=tp)
-        dtype = _DTYPES[config.param_dtype]
+        dtype = DTYPES[config.param_dtype]
         self._tconfig = _model.transformer_config(
             self._hf, tp=tp, pp=pp, dtype=dtype, sequence_parallel=config.sequence_parallel,
             recompute=config.gradient_checkpointing, on_cpu=self._device.type == "cpu",
@@ -217,7 +99,7 @@ class MegatronTrainEngine:
         self._pp_group = ps.get_pipeline_model_parallel_group()
         self._dp_group = ps.get_data_parallel_group()
         _model.load_hf_weights(model, self.spec, config.model_path, self.tp_rank, tp)
-        _freeze_padding_row(model, self._hf)
+        _inputs.freeze_padding_row(model, self._hf)
         self._module = model  # unwrapped: names, export, checkpoints
         if kind == "megatron":
             self._opt: Any = MegatronOptimizer(model, self._tconfig, config.optim)
@@ -274,7 +156,7 @@ class MegatronTrainEngine:
     def _run(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward of one micro-batch: (this stage's output, predicting columns, targets)."""
         multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        packed, column, targets = _packed(mb, multiple)
+        packed, column, targets = _inputs.packed(mb, multiple)
         positions = torch.arange(packed.shape[1], device=packed.device).expand_as(packed)
         out = self._model(input_ids=packed, position_ids=positions, attention_mask=None)
         return out, column, targets
@@ -438,7 +320,7 @@ class MegatronTrainEngine:
         collective over the TP group), joined, split into HF tensors and yielded; nothing
         is kept after the consumer moves on. A tied output layer is left to the embedding.
         Every rank must iterate to the end; each stage yields its own layers."""
-        dtype = _DTYPES[self.config.export_dtype] if self.config.export_dtype else None
+        dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
         tp = self.config.tensor_model_parallel_size
         offset = _model.layer_offset(self._module)
         for local, param in self._module.named_parameters():
