@@ -7,6 +7,7 @@ entry-point group (`register`). Importing this package does not import megatron-
 the engine imports it when it is built, so configs can be checked without it.
 """
 
+from offbeat.backend_megatron.config import MegatronConfig
 from offbeat.backend_megatron.convert import (
     SUPPORTED_MODEL_TYPES,
     DecoderSpec,
@@ -16,7 +17,6 @@ from offbeat.backend_megatron.convert import (
     megatron_to_hf,
     split_tp_shard,
 )
-from offbeat.backend_megatron.config import MegatronConfig
 from offbeat.backend_megatron.engine import MegatronTrainEngine
 
 
