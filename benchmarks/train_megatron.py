@@ -230,6 +230,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", choices=("train", "export"))
     ap.add_argument("--part", default="train,export")
+    ap.add_argument("--only", default="", help="comma-separated row names (default: all)")
     ap.add_argument("--engine", default="megatron")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--rows", type=int, default=8)
@@ -262,6 +263,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         base: dict[int, float] = {}
         for name, spec in TRAIN_ROWS.items():
+            if args.only and name not in args.only.split(","):
+                continue
             if spec[1] > gpus:
                 print(f"| {name} | {spec[1]} | {spec[3]} | not run: {gpus} device(s) | | | | | |")
                 continue
@@ -293,6 +296,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         base_s = None
         for name, spec in EXPORT_ROWS.items():
+            if args.only and name not in args.only.split(","):
+                continue
             if spec[1] > gpus:
                 print(f"| {name} | {spec[1]} | not run: {gpus} device(s) | | | |")
                 continue
