@@ -22,45 +22,76 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | N
         dist.all_reduce(t, op=op, group=group)
 
 
+# Rows per pass: bounds the float32 temporaries to rows x (V / tp) x 4 bytes each.
+CHUNK_ROWS = 2048
+
+
+def _stats(logits, targets, temperature, start, valid, group, with_entropy):
+    """(log-sum-exp, target log-prob, entropy or None) of one chunk of rows, float32."""
+    z = logits[:, :valid].float() / temperature
+    m = z.max(dim=-1).values
+    _all_reduce(m, dist.ReduceOp.MAX, group)
+    e = torch.exp(z - m.unsqueeze(-1))
+    s = e.sum(dim=-1)
+    _all_reduce(s, dist.ReduceOp.SUM, group)
+    lse = m + torch.log(s)
+    local = targets - start
+    mine = (local >= 0) & (local < valid)
+    idx = local.clamp(0, valid - 1)
+    zt = torch.where(mine, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m))
+    _all_reduce(zt, dist.ReduceOp.SUM, group)
+    entropy = None
+    if with_entropy:
+        ez = (e * z).sum(dim=-1)  # sum_v exp(z - m) z over this slice
+        _all_reduce(ez, dist.ReduceOp.SUM, group)
+        entropy = lse - ez / s
+    return lse, zt - lse, entropy
+
+
 class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, temperature, start, valid, group, with_entropy):
-        z = logits[:, :valid].float() / temperature
-        m = z.max(dim=-1).values
-        _all_reduce(m, dist.ReduceOp.MAX, group)
-        e = torch.exp(z - m.unsqueeze(-1))
-        s = e.sum(dim=-1)
-        _all_reduce(s, dist.ReduceOp.SUM, group)
-        lse = m + torch.log(s)
-        local = targets - start
-        mine = (local >= 0) & (local < valid)
-        idx = local.clamp(0, max(valid - 1, 0))
-        zt = torch.where(mine, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m))
-        _all_reduce(zt, dist.ReduceOp.SUM, group)
-        log_prob = zt - lse
-        entropy = None
-        if with_entropy:
-            ez = (e * z).sum(dim=-1)  # sum_v exp(z - m) z over this slice
-            _all_reduce(ez, dist.ReduceOp.SUM, group)
-            entropy = lse - ez / s
-        ctx.save_for_backward(logits, idx, mine, lse, entropy if with_entropy else lse)
-        ctx.temperature, ctx.valid, ctx.with_entropy = temperature, valid, with_entropy
-        return log_prob, (entropy if with_entropy else torch.zeros_like(log_prob))
+        lse, log_prob, entropy = [], [], []
+        for i in range(0, logits.shape[0], CHUNK_ROWS):
+            rows = slice(i, i + CHUNK_ROWS)
+            a, b, c = _stats(
+                logits[rows], targets[rows], temperature, start, valid, group, with_entropy
+            )
+            lse.append(a)
+            log_prob.append(b)
+            entropy.append(c if with_entropy else a)
+        lse_t, lp_t, ent_t = torch.cat(lse), torch.cat(log_prob), torch.cat(entropy)
+        ctx.save_for_backward(logits, targets, lse_t, ent_t)
+        ctx.temperature, ctx.start, ctx.valid, ctx.with_entropy = (
+            temperature,
+            start,
+            valid,
+            with_entropy,
+        )
+        return lp_t, (ent_t if with_entropy else torch.zeros_like(lp_t))
 
     @staticmethod
     def backward(ctx, g_log_prob, g_entropy):
-        logits, idx, mine, lse, entropy = ctx.saved_tensors
-        valid, t = ctx.valid, ctx.temperature
-        z = logits[:, :valid].float() / t
-        log_p = z - lse.unsqueeze(-1)
-        p = torch.exp(log_p)
-        onehot = torch.zeros_like(z)
-        onehot.scatter_(-1, idx.unsqueeze(-1), mine.to(z.dtype).unsqueeze(-1))
-        gz = g_log_prob.float().unsqueeze(-1) * (onehot - p)
-        if ctx.with_entropy and g_entropy is not None:
-            gz = gz - g_entropy.float().unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+        logits, targets, lse, entropy = ctx.saved_tensors
+        t, start, valid = ctx.temperature, ctx.start, ctx.valid
+        use_entropy = ctx.with_entropy and g_entropy is not None
         grad = torch.zeros_like(logits)
-        grad[:, :valid] = (gz / t).to(logits.dtype)
+        for i in range(0, logits.shape[0], CHUNK_ROWS):
+            rows = slice(i, i + CHUNK_ROWS)
+            z = logits[rows, :valid].float() / t
+            log_p = z - lse[rows].unsqueeze(-1)
+            p = torch.exp(log_p)
+            local = targets[rows] - start
+            mine = (local >= 0) & (local < valid)
+            onehot = torch.zeros_like(z)
+            onehot.scatter_(
+                -1, local.clamp(0, valid - 1).unsqueeze(-1), mine.to(z.dtype).unsqueeze(-1)
+            )
+            gz = g_log_prob[rows].float().unsqueeze(-1) * (onehot - p)
+            if use_entropy:
+                h = entropy[rows].unsqueeze(-1)
+                gz = gz - g_entropy[rows].float().unsqueeze(-1) * p * (log_p + h)
+            grad[rows, :valid] = (gz / t).to(logits.dtype)
         return grad, None, None, None, None, None, None
 
 
