@@ -92,9 +92,11 @@ class TorchOptimizer:
     def step(self) -> tuple[float, bool]:
         """Average gradients over DP, clip, step; (grad norm before clipping, skipped)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if dist.get_world_size(self.dp_group) > 1:
+        dp = dist.get_world_size(self.dp_group)
+        if dp > 1:  # SUM then divide: gloo has no AVG
             for p in params:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.dp_group)
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(dp)
         if dist.get_world_size(self.tp_group) == 1:
             if self.config.grad_clip > 0:
                 norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))

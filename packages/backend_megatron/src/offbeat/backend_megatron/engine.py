@@ -72,10 +72,10 @@ class MegatronTrainEngine:
         kind = config.optimizer
         if kind == "auto":
             kind = "megatron" if self._device.type == "cuda" else "torch"
-        if kind == "torch" and pp != 1:
+        if kind == "torch" and (pp != 1 or config.sequence_parallel):
             raise ValueError(
-                f"train_engine.optimizer=torch: runs PP = 1 only, got PP={pp}; "
-                "use optimizer=megatron (CUDA)"
+                f"train_engine.optimizer=torch: runs PP = 1 without sequence parallelism, got "
+                f"PP={pp}, sequence_parallel={config.sequence_parallel}; use optimizer=megatron (CUDA)"
             )
         if kind == "megatron" and self._device.type != "cuda":
             raise ValueError("train_engine.optimizer=megatron: needs CUDA; use optimizer=torch")
