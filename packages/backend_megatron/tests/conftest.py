@@ -1,5 +1,6 @@
-"""Applies the CPU shims of `cpu_shims` (test-only: see there for what and why) to every
-test of this package, and puts this folder on sys.path for the multi-process workers."""
+"""Puts this folder on sys.path (the tests and the multi-process worker share
+`engine_helpers`), and offers `megatron_cuda_calls_on_cpu`: the test-only shims of
+`cpu_shims` (see there for what and why) for the tests that need them."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import cpu_shims
 
 
-@pytest.fixture(scope="session", autouse=True)
-def megatron_on_cpu():
+@pytest.fixture
+def megatron_cuda_calls_on_cpu():
     with pytest.MonkeyPatch.context() as mp:
         for obj, name, value in cpu_shims.patches():
             mp.setattr(obj, name, value)

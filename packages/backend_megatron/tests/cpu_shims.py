@@ -1,37 +1,27 @@
-"""Test-only shims that let megatron-core run on a CPU-only machine (CI has no GPU).
+"""Test-only shims for the one Megatron-Core path our CPU tests run that assumes CUDA.
 
-Megatron-Core assumes CUDA in two places our CPU path reaches; production code never
-patches them (on CUDA neither is needed, and on CPUs the engine runs what needs no CUDA:
-the `torch` optimizer path, PP = 1, core's DCP checkpoints):
-
-1. `torch.cuda.current_device()` picks the device of new tensors (RoPE frequencies, the
-   GPT model's buffers): here it answers "cpu".
-2. `CudaRNGStatesTracker.fork()` switches CUDA RNG states (dropout under tensor/sequence
-   parallelism): here it is a no-op context (our dropout is 0 and there is no CUDA RNG).
+The engine's CPU path needs none (the `torch` optimizer path, core's DCP checkpoints, RoPE
+kept on the CPU by the engine). Megatron's dist-checkpointing, which the engine uses on
+CUDA, calls CUDA twice on the way: `torch.cuda.synchronize()` after staging the tensors
+to write, and `torch.cuda.current_device()` when it finalises the save. To test that path
+on a CPU-only machine (CI has no GPU), `patches` makes the first a no-op and the second
+answer "cpu". Production code never patches them.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
-
-
-@contextlib.contextmanager
-def _fork(self: Any, name: str | None = None):
-    yield
 
 
 def patches() -> list[tuple[Any, str, Any]]:
     """(object, attribute, replacement) of each shim; none where CUDA is available."""
     if torch.cuda.is_available():
         return []
-    from megatron.core.tensor_parallel import random as mp_random
-
     return [
+        (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (torch.cuda, "current_device", lambda: "cpu"),
-        (mp_random.CudaRNGStatesTracker, "fork", _fork),
     ]
 
 

@@ -41,10 +41,6 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--seed", type=int, default=5)
     args = ap.parse_args()
-    if args.device == "cpu":
-        import cpu_shims
-
-        cpu_shims.apply()
     from engine_helpers import LOSSES, make_batch, megatron, params, rows_of, with_old_log_probs
 
     engine = megatron(

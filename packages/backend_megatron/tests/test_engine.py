@@ -202,3 +202,38 @@ def test_export_feeds_the_checkpoint_engine_unchanged(model_dirs, backend):
     assert sorted(replica.weights) == sorted(want)
     for name, tensor in want.items():
         assert torch.equal(replica.weights[name], tensor), name
+
+
+class _NoStateOptimizer:
+    """Stands in for the `megatron` optimizer path (CUDA only) before its first step."""
+
+    kind, has_state = "megatron", False
+
+    def __init__(self) -> None:
+        self.reloaded = 0
+        self.optimizer = self
+
+    def reload_model_params(self) -> None:
+        self.reloaded += 1
+
+
+def test_megatron_dist_checkpoint_round_trips_the_model(
+    model_dirs, tmp_path, megatron_cuda_calls_on_cpu
+):
+    """The CUDA path's checkpoint format (Megatron dist-checkpointing of the model's sharded
+    state dict), written and read back on CPU; the master weights are refreshed after."""
+    from offbeat.backend_megatron import _checkpoint
+
+    engine = megatron(model_dirs[True])
+    want = params(engine)
+    opt = _NoStateOptimizer()
+    _checkpoint.save(str(tmp_path / "c"), engine.model, opt, {"global_update_count": 3})
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["dist", "engine_state.pt"]
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.zero_()
+    extra = _checkpoint.load(str(tmp_path / "c"), engine.model, opt)
+    assert extra == {"global_update_count": 3} and opt.reloaded == 1
+    got = params(engine)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
