@@ -24,8 +24,3 @@ def patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "current_device", lambda: "cpu"),
     ]
 
-
-def apply() -> None:
-    """For a worker process that lives only for a test: patch for good."""
-    for obj, name, value in patches():
-        setattr(obj, name, value)
