@@ -23,4 +23,3 @@ def patches() -> list[tuple[Any, str, Any]]:
         (torch.cuda, "synchronize", lambda *args, **kwargs: None),
         (torch.cuda, "current_device", lambda: "cpu"),
     ]
-

@@ -237,3 +237,16 @@ def test_megatron_dist_checkpoint_round_trips_the_model(
     got = params(engine)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_gradient_checkpointing_gives_the_same_update(model_dirs):
+    batch = make_batch(5, seed=4)
+    runs = []
+    for recompute in (False, True):
+        engine = megatron(model_dirs[False], gradient_checkpointing=recompute)
+        metrics = engine.update(with_old_log_probs(engine, batch))
+        runs.append((params(engine), metrics["actor/loss"], metrics["actor/grad_norm"]))
+    (p0, loss0, norm0), (p1, loss1, norm1) = runs
+    assert (loss0, norm0) == (loss1, norm1)
+    for name, tensor in p0.items():
+        assert torch.equal(p1[name], tensor), name

@@ -90,17 +90,11 @@ def transformer_config(
     pp: int,
     dtype: torch.dtype,
     sequence_parallel: bool,
-    recompute: bool,
     on_cpu: bool,
 ) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     spec = DecoderSpec.from_hf_config(config)
-    kwargs: dict[str, Any] = {}
-    if recompute:
-        kwargs.update(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -134,7 +128,6 @@ def transformer_config(
         perform_initialization=False,
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # dense: unused, but allgather refuses variable lengths
-        **kwargs,
     )
 
 
@@ -177,6 +170,23 @@ def keep_rope_on_cpu(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.get_emb = types.MethodType(get_emb, module)
+
+
+def checkpoint_layers(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward (torch's non-reentrant checkpoint: no CUDA
+    RNG bookkeeping, which Megatron's own recompute needs and a CPU has not; our dropout
+    is 0, so nothing random is replayed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.decoder.layers:
+        forward = layer.forward
+
+        def recomputed(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = recomputed
 
 
 def layer_offset(model: torch.nn.Module) -> int:

@@ -88,9 +88,11 @@ class MegatronTrainEngine:
         dtype = DTYPES[config.param_dtype]
         self._tconfig = _model.transformer_config(
             self._hf, tp=tp, pp=pp, dtype=dtype, sequence_parallel=config.sequence_parallel,
-            recompute=config.gradient_checkpointing, on_cpu=self._device.type == "cpu",
+            on_cpu=self._device.type == "cpu",
         )  # fmt: skip
         model = _model.build_model(self._hf, self._tconfig, self.spec)
+        if config.gradient_checkpointing:
+            _model.checkpoint_layers(model)
         if self._device.type == "cpu":
             _model.keep_rope_on_cpu(model)
         else:
