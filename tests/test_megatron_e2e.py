@@ -65,6 +65,10 @@ def test_separate_async_trains_with_the_megatron_engine(tmp_path):
             f"data.val_files=[{tmp_path / 'val.parquet'}]",
         ],
     )
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    had_group = dist.is_initialized()
     init_ray(cfg.runtime)
     servers = {}
     try:
@@ -74,6 +78,10 @@ def test_separate_async_trains_with_the_megatron_engine(tmp_path):
     finally:
         asyncio.run(shutdown_replicas(servers))
         ray.shutdown()
+        # The engine started Megatron's groups (and a 1-process group): leave none behind.
+        parallel_state.destroy_model_parallel()
+        if not had_group and dist.is_initialized():
+            dist.destroy_process_group()
     trainer = summary["trainer"]
     assert isinstance(trainer.engine, MegatronTrainEngine)
     assert trainer.engine.global_update_count == STEPS * 2  # parameter_sync_step updates a step
