@@ -30,6 +30,7 @@ from offbeat.backend_megatron.convert import (
     global_name,
     hf_to_megatron,
     split_tp_shard,
+    tp_split_dim,
 )
 
 __all__ = ["build_model", "hf_config", "layer_offset", "load_hf_weights", "model_class"]
@@ -243,5 +244,12 @@ def load_hf_weights(
                 f"{name}: HF gives {tuple(shard.shape)}, the model has {tuple(param.shape)}"
             )
         param.copy_(shard.to(param.dtype))
+        dim = tp_split_dim(spec, name)
+        if dim is not None and tp_size > 1:
+            # Megatron marks TP-split weights only when it initialises them itself; the grad
+            # norm (ours and Megatron's optimizer's) counts a parameter without the mark once,
+            # as if every TP rank held the same copy.
+            param.tensor_model_parallel, param.partition_dim = True, dim
+            param.partition_stride = getattr(param, "partition_stride", 1)
         filled += 1
     return filled

@@ -333,9 +333,10 @@ class MegatronTrainEngine:
             with torch.no_grad():
                 shard = param.detach() if dtype is None else param.detach().to(dtype)
                 if tp > 1 and tp_split_dim(self.spec, name) is not None:
-                    buffer = shard.new_empty((tp, *shard.shape))
-                    dist.all_gather_into_tensor(buffer, shard.contiguous(), group=self._tp_group)
-                    full = join_tp_shards(self.spec, name, list(buffer.unbind(0)))
+                    buffer = shard.new_empty((tp, *shard.shape))  # one allocation, TP views
+                    views = list(buffer.unbind(0))
+                    dist.all_gather(views, shard.contiguous(), group=self._tp_group)
+                    full = join_tp_shards(self.spec, name, views)
                     del buffer
                 else:
                     full = shard
