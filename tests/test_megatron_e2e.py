@@ -88,6 +88,8 @@ def test_separate_async_trains_with_the_megatron_engine(tmp_path):
     lines = Path(summary["metrics"]).read_text().splitlines()
     rows = [json.loads(x) for x in lines if "actor/loss" in x]
     assert len(rows) == STEPS
-    assert all(math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0 for r in rows)
+    # (A step whose groups all scored alike has zero advantages, so a zero gradient.)
+    assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in rows)
+    assert all(r["actor/num_tokens"] > 0 for r in rows), rows
     assert summary["steps"] == STEPS and summary["version"] == STEPS
     assert summary["removed_replicas"] == {}  # every sync reached the replica
