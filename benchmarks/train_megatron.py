@@ -77,7 +77,9 @@ def build(args, *, export: bool):
 
         config = MegatronConfig(
             model_path=args.model, device=args.device, micro_batch_size=max(args.rows, 1),
-            param_dtype="bfloat16", export_dtype="bfloat16", tensor_model_parallel_size=args.tp,
+            # CPU smoke runs take the torch optimizer path, whose masters are the params.
+            param_dtype="bfloat16" if args.device == "cuda" else "float32",
+            export_dtype="bfloat16", tensor_model_parallel_size=args.tp,
             optimizer="auto", optim=optim,
         )  # fmt: skip
         return MegatronTrainEngine(config, loss_fn=PPOLoss())

@@ -157,6 +157,8 @@ def test_config_errors_name_the_key_and_the_choices(model_dirs):
         MegatronConfig(sequence_parallel=True).validate()
     with pytest.raises(ValueError, match="optimizer=megatron: needs CUDA"):
         megatron(model_dirs[False], optimizer="megatron")
+    with pytest.raises(ValueError, match="param_dtype='bfloat16' with optimizer=torch"):
+        megatron(model_dirs[False], param_dtype="bfloat16")
 
 
 class _Replica:

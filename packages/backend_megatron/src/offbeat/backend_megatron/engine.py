@@ -77,6 +77,12 @@ class MegatronTrainEngine:
                 f"train_engine.optimizer=torch: runs PP = 1 without sequence parallelism, got "
                 f"PP={pp}, sequence_parallel={config.sequence_parallel}; use optimizer=megatron (CUDA)"
             )
+        if kind == "torch" and config.param_dtype != "float32":
+            raise ValueError(
+                f"train_engine.param_dtype={config.param_dtype!r} with optimizer=torch: the "
+                "model's parameters are the master weights there, so they must be 'float32' "
+                "(bf16 compute with float32 masters is the megatron optimizer's, on CUDA)"
+            )
         if kind == "megatron" and self._device.type != "cuda":
             raise ValueError("train_engine.optimizer=megatron: needs CUDA; use optimizer=torch")
         if pp > 1 and self._device.type != "cuda":
