@@ -119,7 +119,7 @@ NOT_HONOURED = [
     (
         ["actor.pipeline_model_parallel_size=2"],
         "actor.pipeline_model_parallel_size",
-        "use actor.engine=megatron (not built yet)",
+        "use actor.engine=megatron (offbeat-backend-megatron)",
     ),
     (["algorithm.gamma=0.99"], "algorithm.gamma", "only GAE"),
     (["algorithm.lam=0.95"], "algorithm.lam", "only GAE"),

@@ -83,7 +83,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 4  # prompts per optimizer step (mini-batch)
     ppo_micro_batch_size_per_device: int = 4  # trajectories per forward/backward
     ppo_epochs: int = 1
-    tensor_model_parallel_size: int = 1  # > 1 needs a model-parallel engine (not fsdp2)
+    # > 1 needs a model-parallel engine (megatron, not fsdp2); trainer_devices must be a
+    # multiple of their product (the rest is data parallelism).
+    tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     lr: float = 1e-6
     weight_decay: float = 0.0

@@ -155,7 +155,7 @@ def _not_built_yet(cfg: Any, p: Problems) -> None:
                     f"actor.{key}",
                     value,
                     "fsdp2 has no tensor/pipeline parallelism: set 1, or use "
-                    "actor.engine=megatron (not built yet)",
+                    "actor.engine=megatron (offbeat-backend-megatron)",
                 )
 
 
