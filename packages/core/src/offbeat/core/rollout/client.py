@@ -153,6 +153,15 @@ class PartialRolloutClient:
     def __init__(self, balancer: Any, config: PartialRolloutConfig | None = None) -> None:
         self.balancer = balancer
         self.config = config or PartialRolloutConfig()
+        # Per server id: the calls it answered and the tokens they brought back, each call
+        # counted once where it ran (an interrupted sample's attempts count where each ran).
+        self.served_calls: dict[str, int] = {}
+        self.served_tokens: dict[str, int] = {}
+
+    def _served(self, server_id: str, outs: Sequence[TokenOutput]) -> None:
+        self.served_calls[server_id] = self.served_calls.get(server_id, 0) + len(outs)
+        tokens = sum(len(o.token_ids) for o in outs)
+        self.served_tokens[server_id] = self.served_tokens.get(server_id, 0) + tokens
 
     async def _call(self, handle: Any, request_id: str, prompt: list[int], params: dict):
         generate = handle.generate
@@ -222,6 +231,7 @@ class PartialRolloutClient:
                         lease.handle, request_id, full, {**base, "max_tokens": sample.remaining}
                     )
                     args.update(tokens=len(out.token_ids), stop=out.stop_reason)
+                self._served(lease.server_id, [out])
             finally:
                 await _maybe_await(self.balancer.release(lease))
             sample.add(out, lease.server_id)
@@ -321,6 +331,7 @@ class PartialRolloutClient:
                         tokens=sum(len(o.token_ids) for o in outs),
                         stop=",".join(sorted({o.stop_reason for o in outs})),
                     )
+                self._served(lease.server_id, outs)
             finally:
                 await _maybe_await(self.balancer.release(lease))
             for i, out in zip(pending, outs, strict=True):
