@@ -88,10 +88,16 @@ async def test_requests_in_flight_across_a_cycle_are_neither_lost_nor_duplicated
     async def one(rid):
         return rid, await s.client.generate(rid, prompts[rid], {"max_tokens": 64})
 
-    # training rollout requests run before, during and after the cycle
-    background = [asyncio.ensure_future(one(rid)) for rid in prompts]
+    # training rollout requests run across the cycle: half sent before, half during it
+    ids = list(prompts)
+    background = [asyncio.ensure_future(one(rid)) for rid in ids[:20]]
+
+    async def validate():
+        background.extend(asyncio.ensure_future(one(rid)) for rid in ids[20:])
+        return await s.validator.run()
+
     await asyncio.sleep(0.01)
-    await s.hybrid.cycle(weights, 1, lambda: s.validator.run())
+    await s.hybrid.cycle(weights, 1, validate)
     results = dict(await asyncio.gather(*background))
     assert sorted(results) == sorted(prompts)  # each request answered, once
     served = s.s0.outputs + s.h0.outputs

@@ -1,4 +1,6 @@
-"""Validation rules for the runtime's placement keys: the trainer group and the pools.
+"""Validation rules for the runtime's placement keys: the trainer group and the pools,
+hybrid replicas (`trainer.validate_on_trainer_devices`) against that resource split, and
+the replacement of dead replicas (`runtime.replica_replace_*`).
 
 Registered with `@check` on import (the job imports this module); they run for configs
 with a `runtime` section. Knows only the config; starts nothing (whether the cluster can
@@ -66,9 +68,18 @@ def _hybrid_replica_rules(cfg: Any, p: Problems) -> None:
             t.hybrid_sleep_level,
             "1 (free the KV cache, offload the weights) or 2 (free both)",
         )
-    if t.validate_on_trainer_devices is not True:
-        return
     key = "trainer.validate_on_trainer_devices"
+    if t.validate_on_trainer_devices is not True:
+        from offbeat.core.config.schema import TrainerConfig
+
+        if t.hybrid_sleep_level != TrainerConfig.hybrid_sleep_level:
+            p.add(
+                "trainer.hybrid_sleep_level",
+                t.hybrid_sleep_level,
+                f"the default ({TrainerConfig.hybrid_sleep_level}) unless {key}=true "
+                "(nothing else reads it)",
+            )
+        return
     if rt.trainer_in_driver is True:
         p.add(
             key,
