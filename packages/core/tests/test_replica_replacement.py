@@ -82,7 +82,7 @@ async def test_a_replacement_joins_only_at_the_trainer_weight_version(sleeps):
 
 async def test_failed_starts_back_off_doubling_and_give_up_after_the_bound(sleeps):
     starts = Starts(failures=10)
-    s0, balancer, pool = make_pool(starts, attempts=3, backoff_s=0.5)
+    s0, _, pool = make_pool(starts, attempts=3, backoff_s=0.5)
     s0.dead = True
     await pool.check_health()
     await asyncio.wait(list(pool.replacing.values()))
