@@ -143,7 +143,7 @@ async def replace_and_time(rig: Rig, version: int) -> tuple[str, float, dict]:
     the validation's metrics)."""
     import ray
 
-    ((sid, server),) = rig.pool.servers.items()
+    (server,) = rig.pool.servers.values()
     served0 = dict(rig.client.served_calls)
     await asyncio.to_thread(ray.kill, server.handle)
     t_kill = time.perf_counter()
