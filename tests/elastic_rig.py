@@ -54,6 +54,7 @@ class Rig:
     hybrid: Any
     validator: Any
     start_order: list[str]
+    standalone_start_s: float = 0.0  # phase 2: from start to answering
 
     def export(self):
         return self.side.engine.export_weights()
@@ -105,9 +106,11 @@ async def start_rig(cfg: Any) -> Rig:
     order.append("trainer")
     hybrids = await start_hybrid_replicas(p, pools)  # phase 1: started, then asleep
     order.append("hybrid_asleep")
+    t0 = time.perf_counter()
     servers = start_replicas(p, pools)  # phase 2
     order.append("standalone")
     await asyncio.gather(*(s.refresh() for s in servers.values()))
+    standalone_start_s = time.perf_counter() - t0
     tokenizer = AutoTokenizer.from_pretrained(str(p.model_dir))
     balancer = AsyncLoadBalancer(dict(servers))
     client = PartialRolloutClient(balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens))
@@ -124,7 +127,9 @@ async def start_rig(cfg: Any) -> Rig:
         hybrids, pool, side.hybrid_manager(cfg), client=client,
         sleep_level=cfg.trainer.hybrid_sleep_level, phase_timeout_s=rt.sync_timeout_s,
     )  # fmt: skip
-    return Rig(p, pools, side, servers, hybrids, balancer, client, pool, hybrid, validator, order)
+    rig = Rig(p, pools, side, servers, hybrids, balancer, client, pool, hybrid, validator, order)
+    rig.standalone_start_s = standalone_start_s
+    return rig
 
 
 async def kill_when_serving(rig: Rig, server_id: str, server: Any, calls: int = 2) -> float:
