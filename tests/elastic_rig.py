@@ -66,14 +66,14 @@ class Rig:
 
     async def validate_cycle(self, version: int, during=None) -> tuple[dict, dict]:
         """One validation cycle at `version` (synced to the standalone replicas first);
-        `during(rig)` runs beside the validation (e.g. kills a replica)."""
+        `during(rig, validation_task)` runs beside the validation (e.g. kills a replica)."""
         await self.pool.sync(self.side.engine.export_weights, version)
         self.balancer.clear_sticky()
 
         async def validate():
             task = asyncio.ensure_future(self.validator.run())
             if during is not None:
-                await during(self)
+                await during(self, task)
             return await task
 
         return await self.hybrid.cycle(self.side.engine.export_weights, version, validate)
@@ -132,11 +132,14 @@ async def start_rig(cfg: Any) -> Rig:
     return rig
 
 
-async def kill_when_serving(rig: Rig, server_id: str, server: Any, calls: int = 2) -> float:
-    """Kill `server`'s actor once it has served `calls` calls; returns when (perf_counter)."""
+async def kill_when_serving(
+    rig: Rig, server_id: str, server: Any, task: Any, calls: int = 2
+) -> float:
+    """Kill `server`'s actor once it has served `calls` calls (or `task` ended); returns
+    when (perf_counter)."""
     import ray
 
-    while rig.client.served_calls.get(server_id, 0) < calls:
+    while rig.client.served_calls.get(server_id, 0) < calls and not task.done():
         await asyncio.sleep(0.01)
     await asyncio.to_thread(ray.kill, server.handle)
     return time.perf_counter()
@@ -155,8 +158,8 @@ async def replace_and_time(rig: Rig, version: int) -> tuple[str, float, dict]:
     rig.balancer.clear_sticky()
     val = asyncio.ensure_future(rig.validator.run(tag=f"after-kill-{version}"))
     while not rig.pool.joining:  # the trainer admits joiners while it waits for a batch
-        if val.done():
-            val.result()
+        if rig.pool.gave_up:
+            raise RuntimeError(f"no replacement: {rig.pool.gave_up}")
         await asyncio.sleep(0.05)
     (new_id,) = await rig.pool.admit(rig.side.engine.export_weights, version)
     while rig.client.served_calls.get(new_id, 0) <= served0.get(new_id, 0):
