@@ -9,7 +9,8 @@ one `TokenOutput`, as if nothing had happened. `generate_group(..., n)` does the
 the `n` samples of one prompt: one lease and one group request (where the server has
 `generate_group`; else `n` requests under that lease), then each sample resumes on its
 own. Each server call is a span on one of that server's lanes in the run's trace, if one
-is active (`offbeat.core.trace`).
+is active (`offbeat.core.trace`), and is tallied under its server id (`served_calls`,
+`served_tokens`: each call once, where it ran).
 
 Knows nothing about engines, weights or Ray beyond one thing: a server handle is either
 an object with `async generate(...)` (and maybe `generate_group(...)`) or a Ray actor

@@ -650,19 +650,19 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
             order.append("trainer")
             try:
                 hybrids = await start_hybrid_replicas(p, pools)
+                order.append("hybrid_asleep")
+                servers = start_replicas(p, pools)
             except BaseException:
                 await side.close()
                 raise
-            order.append("hybrid_asleep")
-        servers = start_replicas(p, pools)
+        else:
+            servers = start_replicas(p, pools)
         order.append("standalone")
-        try:
-            summary = await run_with_replicas(
-                p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids
-            )
-        finally:
-            await shutdown_replicas({**servers, **hybrids})
+        summary = await run_with_replicas(
+            p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids
+        )
     finally:
+        await shutdown_replicas({**servers, **hybrids})
         pools.remove()
     summary["total_wall_s"] = time.perf_counter() - t0
     summary["start_order"] = order
