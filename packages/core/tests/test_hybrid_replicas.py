@@ -55,7 +55,9 @@ async def test_the_cycle_runs_its_phases_in_the_issue_order_and_restores_the_bal
     alone = await s.validator.run()  # on the standalone replica alone
     s.s0.outputs.clear()
     s.balancer.clear_sticky()  # the same request ids again (the fake's answers depend on them)
+    held = s.balancer.balancer.acquire("held-across-the-cycle", cost=3)  # a lease still open
     before = s.balancer.status()
+    assert before["servers"] == {"s0": 3}
     seen_during: list[list[str]] = []
 
     async def validate():
@@ -68,6 +70,8 @@ async def test_the_cycle_runs_its_phases_in_the_issue_order_and_restores_the_bal
     assert seen_during == [["h0", "s0"]]
     assert s.balancer.servers() == ["s0"]  # exactly the standalone replicas again
     assert s.balancer.status() == before  # in-flight counts back to their pre-cycle values
+    s.balancer.release(held)
+    assert s.balancer.status()["total_inflight"] == 0
     assert s.h0.asleep == 2 and s.h0.weight_version == 1
     assert metrics == alone and metrics["val/failed"] == 0
     # both kinds served; each call counted once, under the replica that ran it
