@@ -202,7 +202,8 @@ class HybridReplicas:
             # any aborted request can come back for a new lease.
             self._note(version, "remove")
             self.pool.remove_guests(list(joined))
-            await asyncio.wait(list(aborts.values()))
+            if aborts:
+                await asyncio.wait(list(aborts.values()))
             for i, task in aborts.items():
                 if task.exception() is not None:
                     failed[i] = f"abort: {type(task.exception()).__name__}: {task.exception()}"
