@@ -41,12 +41,10 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-DEFAULTS = [
-    "task.n_val=256",
-    "runtime.trainer_cpus=[1]",
-    "runtime.rollout_cpus=[0]",
-    "runtime.rollout_env={VLLM_CPU_KVCACHE_SPACE: '1', VLLM_LOGGING_LEVEL: WARNING}",
-]
+# The recipe's resource split (the rig's tests unpin); the YAML's rollout_env, so each
+# replica's engine threads are bound to its own cores.
+DEFAULTS = ["task.n_val=256", "runtime.trainer_cpus=[1]", "runtime.rollout_cpus=[0]"]
+UNPINNED = ("runtime.rollout_env=",)
 
 
 def proc_loadavg() -> str:
@@ -69,8 +67,9 @@ async def main(args: argparse.Namespace, tmp: Path) -> None:
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.trainer.job import ReplicaMemory, init_ray
 
+    rig_defaults = [o for o in overrides(tmp) if not o.startswith(UNPINNED)]
     _, cfg = load_recipe_config(
-        "separate_async", merged(overrides(tmp), DEFAULTS, ["trainer.experiment_name=bench"],
+        "separate_async", merged(rig_defaults, DEFAULTS, ["trainer.experiment_name=bench"],
                                  args.overrides),
     )  # fmt: skip
     init_ray(cfg.runtime)
