@@ -246,12 +246,15 @@ class VLLMRolloutServer:
 
     async def _group(self, request_id: str, ids: list[int], sp: Any, n: int) -> list[TokenOutput]:
         if sp.n != n:
-            runs = await asyncio.gather(
-                *(self._run(f"{request_id}-{i}", ids, sp) for i in range(n))
-            )
-            return [
-                self._to_token_output(o.request_id, o.outputs[0], o.metrics, v) for o, v in runs
-            ]
+
+            async def one(i: int) -> TokenOutput:
+                try:
+                    o, v = await self._run(f"{request_id}-{i}", ids, sp)
+                except Evicted:  # this sample only: the others keep what they produced
+                    return self._evicted()
+                return self._to_token_output(o.request_id, o.outputs[0], o.metrics, v)
+
+            return list(await asyncio.gather(*(one(i) for i in range(n))))
         out, version = await self._run(request_id, ids, sp)
         comps = sorted(out.outputs, key=lambda c: c.index)
         if [c.index for c in comps] != list(range(n)):
