@@ -46,7 +46,7 @@ def trainer_in_driver(cfg: Any) -> bool:
 
 def hybrid_replicas(cfg: Any) -> bool:
     """Whether the job runs hybrid replicas (`trainer.validate_on_trainer_devices`)."""
-    return bool(getattr(cfg.trainer, "validate_on_trainer_devices", False))
+    return bool(getattr(getattr(cfg, "trainer", None), "validate_on_trainer_devices", False))
 
 
 # The part of a trainer bundle's device its hybrid replica is given (Ray hands both the
