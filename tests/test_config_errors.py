@@ -177,6 +177,54 @@ NOT_HONOURED = [
         "runtime.ray_num_cpus",
         "only read when the job starts a local Ray",
     ),
+    # hybrid replicas, against the resource split
+    (
+        ["trainer.validate_on_trainer_devices=true"],
+        "runtime.ray_num_cpus",
+        ">= 3: with trainer.validate_on_trainer_devices=true each of the 1 trainer bundles",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=3",
+            "runtime.trainer_in_driver=true",
+        ],
+        "trainer.validate_on_trainer_devices",
+        "a trainer pool for the hybrid replicas to live in",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=3",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+        ],
+        "trainer.validate_on_trainer_devices",
+        "validation to serve",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=4",
+            "resources.devices_per_node=3",
+            "rollout.tensor_parallel_size=2",
+            "resources.rollout_devices=2",
+        ],
+        "trainer.validate_on_trainer_devices",
+        "rollout.tensor_parallel_size=1",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=3",
+            "trainer.hybrid_sleep_level=3",
+        ],
+        "trainer.hybrid_sleep_level",
+        "1 (free the KV cache, offload the weights) or 2",
+    ),
+    (["trainer.hybrid_sleep_level=1"], "trainer.hybrid_sleep_level", "nothing else reads it"),
+    (["runtime.replica_replace_attempts=-1"], "runtime.replica_replace_attempts", ">= 0"),
+    (["runtime.replica_replace_backoff_s=0"], "runtime.replica_replace_backoff_s", "> 0"),
 ]
 
 
@@ -199,6 +247,9 @@ def test_what_the_runtime_does_not_honour_is_rejected(overrides, key, phrase):
          "runtime.trainer_num_cpus=0.5"],
         ["resources.num_nodes=2", "resources.devices_per_node=1", "runtime.ckpt_backend=broadcast",
          "runtime.trainer_resources={trainer_node: 1}"],
+        ["trainer.validate_on_trainer_devices=true", "runtime.ray_num_cpus=3",
+         "trainer.hybrid_sleep_level=1"],
+        ["runtime.replica_replace_attempts=0"],
     ],
 )  # fmt: skip
 def test_what_the_runtime_honours_is_accepted(overrides):
@@ -260,6 +311,18 @@ def test_a_critic_beside_a_trainer_worker_group_is_rejected():
     assert (
         "worker group" in {p.key: p.expected for p in info.value.problems}["algorithm.use_kl_loss"]
     )
+
+
+def test_hybrid_replicas_put_the_trainer_in_a_pool_with_room_for_them():
+    from offbeat.core.runtime import pool_specs, trainer_in_driver
+
+    _, cfg = load_recipe_config(
+        "separate_async", ["trainer.validate_on_trainer_devices=true", "runtime.ray_num_cpus=3"]
+    )
+    assert trainer_in_driver(cfg) is False  # null (auto) gives a trainer pool here
+    specs = {s.name: s for s in pool_specs(cfg)}
+    assert dict(specs["trainer"].bundle) == {"CPU": 2.0}  # the rank's CPU + its hybrid's
+    assert specs["trainer"].bundles == 1 and dict(specs["rollout"].bundle) == {"CPU": 1.0}
 
 
 def test_cuda_is_rejected_on_a_machine_without_it(monkeypatch):

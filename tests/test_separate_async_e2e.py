@@ -366,7 +366,12 @@ def test_one_of_two_replicas_killed_mid_run(world):
     import ray
 
     tmp, prepared, servers = world
-    cfg = config(tmp, "replica_killed", "trainer.total_training_steps=4")
+    cfg = config(  # removed only: replacements are tests/test_elastic_*_e2e.py's
+        tmp,
+        "replica_killed",
+        "trainer.total_training_steps=4",
+        "runtime.replica_replace_attempts=0",
+    )
     victim = servers["rollout-1"]
 
     async def main():

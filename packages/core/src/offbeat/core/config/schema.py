@@ -242,6 +242,15 @@ class TrainerConfig:
     # every step when trace=true, else the first trace_steps steps (0: no trace).
     trace: bool = False
     trace_steps: int = 3
+    # Hybrid replicas: one rollout replica per trainer rank, on the trainer's devices,
+    # asleep while it trains; each validation wakes them, syncs them and adds them to the
+    # balancer while validation runs (the trainer waits meanwhile). Needs a trainer pool
+    # (the trainer runs as a worker group) and validation (test_freq or val_before_train).
+    validate_on_trainer_devices: bool = False
+    # How hybrid replicas sleep: 1 frees the KV cache and offloads the weights to host
+    # memory, 2 frees both (they are synced at every wake). Engines without sleep mode
+    # (vLLM on CPU) stay resident and idle.
+    hybrid_sleep_level: int = 2
 
 
 @dataclass

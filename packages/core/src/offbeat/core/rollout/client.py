@@ -9,7 +9,8 @@ one `TokenOutput`, as if nothing had happened. `generate_group(..., n)` does the
 the `n` samples of one prompt: one lease and one group request (where the server has
 `generate_group`; else `n` requests under that lease), then each sample resumes on its
 own. Each server call is a span on one of that server's lanes in the run's trace, if one
-is active (`offbeat.core.trace`).
+is active (`offbeat.core.trace`), and is tallied under its server id (`served_calls`,
+`served_tokens`: each call once, where it ran).
 
 Knows nothing about engines, weights or Ray beyond one thing: a server handle is either
 an object with `async generate(...)` (and maybe `generate_group(...)`) or a Ray actor
@@ -159,6 +160,15 @@ class PartialRolloutClient:
     def __init__(self, balancer: Any, config: PartialRolloutConfig | None = None) -> None:
         self.balancer = balancer
         self.config = config or PartialRolloutConfig()
+        # Per server id: the calls it answered and the tokens they brought back, each call
+        # counted once where it ran (an interrupted sample's attempts count where each ran).
+        self.served_calls: dict[str, int] = {}
+        self.served_tokens: dict[str, int] = {}
+
+    def _served(self, server_id: str, outs: Sequence[TokenOutput]) -> None:
+        self.served_calls[server_id] = self.served_calls.get(server_id, 0) + len(outs)
+        tokens = sum(len(o.token_ids) for o in outs)
+        self.served_tokens[server_id] = self.served_tokens.get(server_id, 0) + tokens
 
     async def _call(self, handle: Any, request_id: str, prompt: list[int], params: dict):
         generate = handle.generate
@@ -228,6 +238,7 @@ class PartialRolloutClient:
                         lease.handle, request_id, full, {**base, "max_tokens": sample.remaining}
                     )
                     args.update(tokens=len(out.token_ids), stop=out.stop_reason)
+                self._served(lease.server_id, [out])
             finally:
                 await _maybe_await(self.balancer.release(lease))
             sample.add(out, lease.server_id)
@@ -333,6 +344,7 @@ class PartialRolloutClient:
                         tokens=sum(len(o.token_ids) for o in outs),
                         stop=",".join(sorted({o.stop_reason for o in outs})),
                     )
+                self._served(lease.server_id, outs)
             finally:
                 await _maybe_await(self.balancer.release(lease))
             for i, out in zip(pending, outs, strict=True):

@@ -8,7 +8,10 @@ from offbeat.core.runtime.group import (
     split_by_tokens,
 )
 from offbeat.core.runtime.launch import (
+    HYBRID_DEVICE_SHARE,
     TrainerSide,
+    hybrid_options,
+    hybrid_replicas,
     replica_options,
     start_pools,
     start_trainer,
@@ -48,7 +51,10 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     "GroupSenderBackend",
     "group_backend_options",
     # what a job starts
+    "HYBRID_DEVICE_SHARE",
     "TrainerSide",
+    "hybrid_options",
+    "hybrid_replicas",
     "replica_options",
     "start_pools",
     "start_trainer",

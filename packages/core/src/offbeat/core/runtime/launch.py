@@ -14,22 +14,44 @@ the rollout engines or the training loop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from offbeat.core.runtime.group import TrainerGroup
 from offbeat.core.runtime.pools import DEVICE_RESOURCES, PoolSpec, ResourcePools, pool_specs
 
-__all__ = ["TrainerSide", "replica_options", "start_pools", "start_trainer", "trainer_in_driver"]
+__all__ = [
+    "HYBRID_DEVICE_SHARE",
+    "TrainerSide",
+    "hybrid_options",
+    "hybrid_replicas",
+    "replica_options",
+    "start_pools",
+    "start_trainer",
+    "trainer_in_driver",
+]
 
 
 def trainer_in_driver(cfg: Any) -> bool:
     """`runtime.trainer_in_driver`, or when null: one trainer rank on a local one-node Ray
-    runs in the driver (no actor, no pool bundle); anything else is a worker group."""
+    runs in the driver (no actor, no pool bundle) unless hybrid replicas need the trainer
+    pool; anything else is a worker group."""
     rt, r = cfg.runtime, cfg.resources
     if rt.trainer_in_driver is not None:
         return bool(rt.trainer_in_driver)
+    if hybrid_replicas(cfg):
+        return False
     return r.trainer_devices == 1 and r.num_nodes == 1 and not rt.ray_address
+
+
+def hybrid_replicas(cfg: Any) -> bool:
+    """Whether the job runs hybrid replicas (`trainer.validate_on_trainer_devices`)."""
+    return bool(getattr(getattr(cfg, "trainer", None), "validate_on_trainer_devices", False))
+
+
+# The part of a trainer bundle's device its hybrid replica is given (Ray hands both the
+# rank and the replica the same device); the rank takes the rest.
+HYBRID_DEVICE_SHARE = 0.25
 
 
 async def start_pools(
@@ -50,21 +72,38 @@ def replica_options(pools: ResourcePools | None, index: int) -> dict[str, Any]:
     return {"scheduling_strategy": pools.strategy("rollout", index)}
 
 
+def _device_ask(device: str, share: float) -> dict[str, Any]:
+    if DEVICE_RESOURCES.get(device) == "GPU":
+        return {"num_gpus": share}
+    if device in DEVICE_RESOURCES:
+        return {"resources": {DEVICE_RESOURCES[device]: share}}
+    return {}
+
+
 def _rank_options(cfg: Any, pools: ResourcePools) -> list[dict[str, Any]]:
     rt, device = cfg.runtime, cfg.resources.device
     order = pools.bundle_order("trainer")
-    out = []
-    for r in range(cfg.resources.trainer_devices):
-        o: dict[str, Any] = {
+    share = 1.0 - HYBRID_DEVICE_SHARE if hybrid_replicas(cfg) else 1
+    return [
+        {
             "num_cpus": rt.trainer_num_cpus,
             "scheduling_strategy": pools.strategy("trainer", order[r]),
+            **_device_ask(device, share),
         }
-        if DEVICE_RESOURCES.get(device) == "GPU":
-            o["num_gpus"] = 1
-        elif device in DEVICE_RESOURCES:
-            o["resources"] = {DEVICE_RESOURCES[device]: 1}
-        out.append(o)
-    return out
+        for r in range(cfg.resources.trainer_devices)
+    ]
+
+
+def hybrid_options(cfg: Any, pools: ResourcePools, rank: int) -> dict[str, Any]:
+    """Ray options that put trainer rank `rank`'s hybrid replica into the rank's bundle:
+    `runtime.rollout_num_cpus` CPUs and `HYBRID_DEVICE_SHARE` of its device."""
+    order = pools.bundle_order("trainer")
+    return {
+        "num_cpus": cfg.runtime.rollout_num_cpus,
+        "num_gpus": 0,
+        "scheduling_strategy": pools.strategy("trainer", order[rank]),
+        **_device_ask(cfg.resources.device, HYBRID_DEVICE_SHARE),
+    }
 
 
 @dataclass
@@ -76,13 +115,29 @@ class TrainerSide:
     manager: Any
     group: TrainerGroup | None = None
 
+    def hybrid_manager(self, cfg: Any) -> Any:
+        """A checkpoint engine of its own for the hybrid replicas: a host-side backend
+        (`shm`) opened on rank 0 beside the rollout replicas' one."""
+        from offbeat.core.runtime.weight_sync import GroupCheckpointEngine
+
+        if self.group is None:
+            raise ValueError("hybrid replicas need the trainer as a worker group")
+        manager = GroupCheckpointEngine(
+            self.group, "shm", phase_timeout_s=cfg.runtime.sync_timeout_s, slot="hybrid"
+        )
+        self.extra_managers.append(manager)
+        return manager
+
+    extra_managers: list[Any] = field(default_factory=list)
+
     async def close(self) -> None:
-        """Close the checkpoint engine (on rank 0 for a group: its shm files or store go
-        with it), then stop the ranks."""
+        """Close the checkpoint engines (on rank 0 for a group: their shm files or store go
+        with them), then stop the ranks."""
         if self.group is None:
             self.manager.close()
             return
-        await self.manager.aclose()
+        for m in [self.manager, *self.extra_managers]:
+            await m.aclose()
         self.group.shutdown()
 
 

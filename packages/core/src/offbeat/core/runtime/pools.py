@@ -67,14 +67,18 @@ def _bundle(device: str, devices: int, cpus: float, extra: Mapping[str, float]) 
 
 def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
     """The trainer and rollout pools of a RunConfig: `resources.trainer_devices` bundles
-    of one device + `runtime.trainer_num_cpus` CPUs, and one bundle per rollout replica
+    of one device + `runtime.trainer_num_cpus` CPUs (+ `runtime.rollout_num_cpus` for the
+    rank's hybrid replica with `trainer.validate_on_trainer_devices`), and one bundle per rollout replica
     (`rollout.tensor_parallel_size` devices + `runtime.rollout_num_cpus` CPUs), each with
     the pool's extra Ray resources. `trainer=False`: the trainer runs in the driver and
     reserves nothing."""
     r, rt, tp = cfg.resources, cfg.runtime, cfg.rollout.tensor_parallel_size
     out = []
     if trainer:
-        shape = _bundle(r.device, 1, rt.trainer_num_cpus, rt.trainer_resources)
+        cpus = rt.trainer_num_cpus
+        if getattr(cfg.trainer, "validate_on_trainer_devices", False):
+            cpus += rt.rollout_num_cpus  # the rank's hybrid replica shares its bundle
+        shape = _bundle(r.device, 1, cpus, rt.trainer_resources)
         out.append(PoolSpec("trainer", r.trainer_devices, shape))
     shape = _bundle(r.device, tp, rt.rollout_num_cpus, rt.rollout_resources)
     out.append(PoolSpec("rollout", r.rollout_devices // tp, shape))

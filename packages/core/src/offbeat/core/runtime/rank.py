@@ -32,8 +32,10 @@ class TrainerRank:
     def __init__(self, rank: int, world: int, cpus: list[int] | None = None) -> None:
         self.rank, self.world = rank, world
         self.engine: Any = None
-        self._backend: Any = None  # rank 0: the checkpoint-engine backend, kept across syncs
-        self._sender: Any = None
+        # Rank 0: the checkpoint-engine backends, kept across syncs, and the open senders,
+        # by slot (one per manager: the rollout replicas', the hybrid replicas').
+        self._backends: dict[str, Any] = {}
+        self._senders: dict[str, Any] = {}
         if cpus:
             from offbeat.core.cpus import pin_process
 
@@ -93,23 +95,25 @@ class TrainerRank:
         self.engine.load(path)
 
     # ---- weight sync ---------------------------------------------------------------------
-    def open_sender(self, backend: str, options: dict[str, Any], kwargs: dict[str, Any]) -> list:
-        """Rank 0: open the sending end of one sync with the registered `backend` (built
-        once, with `options`, and kept: its buffers or process groups serve every sync);
-        return every receiver's spec."""
+    def open_sender(
+        self, backend: str, options: dict[str, Any], kwargs: dict[str, Any], slot: str = "rollout"
+    ) -> list:
+        """Rank 0: open the sending end of one sync of `slot` with the registered `backend`
+        (built once per slot, with `options`, and kept: its buffers or process groups serve
+        every sync); return every receiver's spec."""
         from offbeat.ckpt_engine import get_backend
 
-        if self._backend is None:
-            self._backend = get_backend(backend)(**options)
-        self._sender = self._backend.open_sender(**kwargs)
-        return [self._sender.spec(r) for r in range(kwargs["num_receivers"])]
+        if slot not in self._backends:
+            self._backends[slot] = get_backend(backend)(**options)
+        sender = self._senders[slot] = self._backends[slot].open_sender(**kwargs)
+        return [sender.spec(r) for r in range(kwargs["num_receivers"])]
 
-    def send_weights(self) -> Any:
+    def send_weights(self, slot: str = "rollout") -> Any:
         """Every rank: iterate the engine's export to the end (each parameter's gather is a
-        collective); rank 0 streams what it gathers into the open sender and returns its
-        report. An engine with `gather_weights(dst)` gathers onto rank 0 alone (the other
-        ranks send their shards and hold no full tensor); else every rank gathers each
-        parameter and the others drop it. Rank 0 drains the export even when the send
+        collective); rank 0 streams what it gathers into `slot`'s open sender and returns
+        its report. An engine with `gather_weights(dst)` gathers onto rank 0 alone (the
+        other ranks send their shards and hold no full tensor); else every rank gathers
+        each parameter and the others drop it. Rank 0 drains the export even when the send
         stops early, so the other ranks are never left in a gather."""
         gather = getattr(self.engine, "gather_weights", None)
         stream = gather(0) if gather is not None else self.engine.export_weights()
@@ -117,27 +121,29 @@ class TrainerRank:
             for _ in stream:
                 pass
             return None
-        if self._sender is None:
-            raise RuntimeError("send_weights on rank 0 without an open sender")
+        sender = self._senders.pop(slot, None)
+        if sender is None:
+            raise RuntimeError(f"send_weights on rank 0 without an open sender ({slot})")
         try:
-            return self._sender.send(stream)
+            return sender.send(stream)
         finally:
-            self._sender = None
             for _ in stream:
                 pass
 
-    def drop_receiver(self, rank: int, reason: str) -> None:
-        if self._sender is not None:
-            self._sender.drop(rank, reason)
+    def drop_receiver(self, rank: int, reason: str, slot: str = "rollout") -> None:
+        if slot in self._senders:
+            self._senders[slot].drop(rank, reason)
 
-    def abort_send(self, reason: str) -> None:
-        if self._sender is not None:
-            self._sender.abort(reason)
+    def abort_send(self, reason: str, slot: str = "rollout") -> None:
+        if slot in self._senders:
+            self._senders[slot].abort(reason)
 
-    def close_backend(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+    def close_backend(self, slot: str | None = None) -> None:
+        """Close `slot`'s backend (None: every one)."""
+        for name in [slot] if slot is not None else list(self._backends):
+            backend = self._backends.pop(name, None)
+            if backend is not None:
+                backend.close()
 
     def __repr__(self) -> str:  # Ray prints it in log prefixes
         return f"TrainerRank({self.rank}/{self.world})"

@@ -40,30 +40,37 @@ class _RankSender(Sender):
     """The manager's handle on rank 0's sender; `send` runs in the manager's worker
     thread and awaits the ranks on the event loop."""
 
-    def __init__(self, group: TrainerGroup, specs: list[ReceiveSpec]) -> None:
-        self._group, self._specs = group, specs
+    def __init__(self, group: TrainerGroup, specs: list[ReceiveSpec], slot: str) -> None:
+        self._group, self._specs, self._slot = group, specs, slot
 
     def spec(self, rank: int) -> ReceiveSpec:
         return self._specs[rank]
 
     def send(self, named_tensors: NamedTensors) -> SendReport:
         # `named_tensors` is the group's marker (its weights are not on the driver): unread.
-        refs = [h.send_weights.remote() for h in self._group.handles]
+        refs = [h.send_weights.remote(self._slot) for h in self._group.handles]
         return self._group._blocking("weight sync", refs)[0]
 
     def drop(self, rank: int, reason: str) -> None:
-        self._group.handles[0].drop_receiver.remote(rank, reason)
+        self._group.handles[0].drop_receiver.remote(rank, reason, self._slot)
 
     def abort(self, reason: str) -> None:
-        self._group.handles[0].abort_send.remote(reason)
+        self._group.handles[0].abort_send.remote(reason, self._slot)
 
 
 class GroupSenderBackend(Backend):
-    """The registered backend `name`, opened on rank 0 of `group` with `options`."""
+    """The registered backend `name`, opened on rank 0 of `group` with `options`; `slot`
+    keeps it apart from the other managers' backends on rank 0."""
 
-    def __init__(self, group: TrainerGroup, name: str, options: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        group: TrainerGroup,
+        name: str,
+        options: Mapping[str, Any] | None = None,
+        slot: str = "rollout",
+    ):
         cls = get_backend(name)
-        self.name = name
+        self.name, self.slot = name, slot
         self.default_bucket_bytes = cls.default_bucket_bytes
         self.reach, self.device_types = cls.reach, cls.device_types
         self._group, self._options = group, dict(options or {})
@@ -73,9 +80,9 @@ class GroupSenderBackend(Backend):
 
         async def open_on_rank0() -> _RankSender:
             h = self._group.handles[0]
-            ref = h.open_sender.remote(self.name, self._options, kwargs)
+            ref = h.open_sender.remote(self.name, self._options, kwargs, self.slot)
             specs = await self._group._one(0, "opening the weight sync", ref)
-            return _RankSender(self._group, specs)
+            return _RankSender(self._group, specs, self.slot)
 
         return open_on_rank0()
 
@@ -86,11 +93,11 @@ class GroupSenderBackend(Backend):
     def close(self) -> None:
         """Not awaited: `GroupCheckpointEngine.aclose` waits for rank 0 to close it."""
         if self._group.failed is None:
-            self._group.handles[0].close_backend.remote()
+            self._group.handles[0].close_backend.remote(self.slot)
 
     async def aclose(self, timeout_s: float = 30.0) -> None:
         if self._group.failed is None:
-            ref = self._group.handles[0].close_backend.remote()
+            ref = self._group.handles[0].close_backend.remote(self.slot)
             with contextlib.suppress(Exception):  # rank 0 gone: the backend went with it
                 await asyncio.wait_for(ref, timeout_s)
 
@@ -104,9 +111,10 @@ class GroupCheckpointEngine(CheckpointEngineManager):
         backend: str,
         *,
         backend_options: Mapping[str, Any] | None = None,
+        slot: str = "rollout",
         **kwargs: Any,
     ) -> None:
-        super().__init__(GroupSenderBackend(group, backend, backend_options), **kwargs)
+        super().__init__(GroupSenderBackend(group, backend, backend_options, slot), **kwargs)
         self.group = group
 
     async def aclose(self) -> None:

@@ -34,11 +34,17 @@ from offbeat.core.registry import ROLLOUT_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
 from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
 from offbeat.core.runtime import checks as _runtime_checks  # noqa: F401  (registers its rules)
-from offbeat.core.runtime.launch import replica_options, start_pools, start_trainer
+from offbeat.core.runtime.launch import (
+    hybrid_replicas,
+    replica_options,
+    start_pools,
+    start_trainer,
+)
 from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
+from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, start_hybrid_replicas
 from offbeat.core.trainer.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
@@ -81,6 +87,13 @@ class RuntimeConfig:
     # Stop the run when this many train batches' worth of prompt groups in a row fail
     # (reward or engine errors) with none finishing: the rollout has nothing to train on.
     max_failed_batches: int = 3
+    # A rollout replica that dies (or fails a weight sync) is removed and a new one is
+    # started in its bundle: up to this many failed starts in a row (0: only remove), the
+    # first at once, retry k after replica_replace_backoff_s * 2**(k-1) seconds. It joins
+    # the balancer once it holds the trainer's weight version.
+    replica_replace_attempts: int = 3
+    replica_replace_backoff_s: float = 5.0
+    replica_ready_timeout_s: float = 600.0  # a replacement must answer within this
     checkpoint_keep_last: int = 2
     progress_bar: bool = True
 
@@ -331,28 +344,37 @@ def _tree_rss_bytes(pid: int) -> int:
 
 class ReplicaMemory:
     """Peak RSS of each replica's process tree (the actor and the engine processes it
-    spawned), sampled when asked."""
+    spawned), sampled when asked; `servers` may change between samples (replacements).
+    `hybrid`: the hybrid replicas, reported apart as their resident RSS now (sampled
+    between steps, when they sleep: on CPU vLLM has no sleep mode and stays resident)."""
 
-    def __init__(self, servers: dict[str, Any]) -> None:
+    def __init__(self, servers: dict[str, Any], hybrid: dict[str, Any] | None = None) -> None:
         self.servers = servers
+        self.hybrid = hybrid if hybrid is not None else {}
         self.peak: dict[str, int] = {}
+
+    @staticmethod
+    async def _rss(server: Any) -> int | None:
+        handle = getattr(server, "handle", None)
+        if handle is None:
+            return None
+        try:
+            pid = await asyncio.wait_for(handle.__ray_call__.remote(lambda self: os.getpid()), 5)
+        except Exception:
+            return None
+        return await asyncio.to_thread(_tree_rss_bytes, pid)
 
     async def __call__(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for sid, server in list(self.servers.items()):
-            handle = getattr(server, "handle", None)
-            if handle is None:
-                continue
-            try:
-                pid = await asyncio.wait_for(
-                    handle.__ray_call__.remote(lambda self: os.getpid()), 5
-                )
-            except Exception:
-                continue
-            rss = await asyncio.to_thread(_tree_rss_bytes, pid)
-            self.peak[sid] = max(self.peak.get(sid, 0), rss)
+            rss = await self._rss(server)
+            if rss is not None:
+                self.peak[sid] = max(self.peak.get(sid, 0), rss)
         if self.peak:
             out["memory/rollout_peak_rss_gb"] = max(self.peak.values()) / 1e9
+        hybrid = [await self._rss(s) for s in list(self.hybrid.values())]
+        if any(r is not None for r in hybrid):
+            out["memory/hybrid_rss_gb"] = max(r for r in hybrid if r is not None) / 1e9
         out["memory/trainer_peak_gb"] = current_device().memory_stats().peak_bytes / 1e9
         return out
 
@@ -464,12 +486,20 @@ def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
 
 
 async def run_with_replicas(
-    p: Prepared, servers: dict[str, Any], *, version_offset: int | None = None, pools: Any = None
+    p: Prepared,
+    servers: dict[str, Any],
+    *,
+    version_offset: int | None = None,
+    pools: Any = None,
+    side: Any = None,
+    hybrids: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the trainer side around running `servers` and train to the end.
 
     `version_offset=None` reads the version the replicas hold (0 for fresh ones). A trainer
-    group goes into `pools`' trainer pool, or into a pool of its own made here."""
+    group goes into `pools`' trainer pool, or into a pool of its own made here. `side`: a
+    trainer already built (a two-phase start: `run_job`), closed here at the end;
+    `hybrids`: its hybrid replicas, asleep."""
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
@@ -479,6 +509,7 @@ async def run_with_replicas(
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
     from offbeat.core.trainer.checkpoint import CheckpointManager
+    from offbeat.core.trainer.hybrid import HybridReplicas
     from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
     from offbeat.core.trainer.rollout import RolloutDriver
@@ -492,14 +523,15 @@ async def run_with_replicas(
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
     own_pools = None
-    if not _trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
-        pools = own_pools = await start_pools(cfg, rollout=False)
-    try:  # the train engine builds while the replicas start
-        side = await start_trainer(cfg, pools)
-    except BaseException:
-        if own_pools is not None:
-            own_pools.remove()
-        raise
+    if side is None:
+        if not _trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
+            pools = own_pools = await start_pools(cfg, rollout=False)
+        try:  # the train engine builds while the replicas start
+            side = await start_trainer(cfg, pools)
+        except BaseException:
+            if own_pools is not None:
+                own_pools.remove()
+            raise
     engine = side.engine
     tokenizer = AutoTokenizer.from_pretrained(
         cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
@@ -512,6 +544,7 @@ async def run_with_replicas(
     balancer = AsyncLoadBalancer(dict(servers))
     client = PartialRolloutClient(balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens))
     manager = side.manager
+    pool = None
     try:
         rewards = reward_registry(cfg)
         s = cfg.async_training
@@ -523,7 +556,10 @@ async def run_with_replicas(
                 num_warmup_batches=0 if cfg.trainer.mode == "sync" else s.num_warmup_batches,
             )
         )
-        pool = ReplicaPool(servers, balancer, manager)
+        replacement = (
+            replacement_for(p, pools, servers) if rt.replica_replace_attempts > 0 else None
+        )
+        pool = ReplicaPool(servers, balancer, manager, replacement=replacement)
         agent = build_agent(
             cfg.agent, client, tokenizer, rewards, base_sampling(cfg),
             prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
@@ -562,10 +598,17 @@ async def run_with_replicas(
         # beside the actor (critic.placement=actor, ref.placement=actor).
         critic_ref = CriticAndReference.from_job(cfg)
         tracer = make_tracer(cfg.trainer, run_dir)
+        hybrid = None
+        if hybrids:
+            hybrid = HybridReplicas(
+                hybrids, pool, side.hybrid_manager(cfg), client=client,
+                sleep_level=cfg.trainer.hybrid_sleep_level, phase_timeout_s=rt.sync_timeout_s,
+            )  # fmt: skip
+        memory = ReplicaMemory(pool.servers, hybrid.servers if hybrid is not None else None)
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
-            checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
-            version_offset=version_offset, tracer=tracer, step_hooks=rr.hooks,
+            checkpoints=checkpoints, validator=validator, rollout_memory=memory,
+            version_offset=version_offset, tracer=tracer, step_hooks=rr.hooks, hybrid=hybrid,
             critic_ref=critic_ref,
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
@@ -575,6 +618,9 @@ async def run_with_replicas(
             tracker.close()
         plot = tracker.plot()
     finally:
+        if pool is not None:
+            await pool.close()
+            await shutdown_replicas(pool.started)  # the replacements it started
         await side.close()
         if own_pools is not None:
             own_pools.remove()
@@ -586,6 +632,9 @@ async def run_with_replicas(
             "trace": str(tracer.path) if tracer is not None else None,
             "startup_s": p.setup_s + ready_s,
             "removed_replicas": dict(pool.removed),
+            "replaced_replicas": dict(pool.replaced),
+            "hybrid_events": list(hybrid.events) if hybrid is not None else [],
+            "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
             "trainer": trainer,
         }
     )
@@ -599,25 +648,33 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
     pools = await start_pools(p.cfg)
+    servers: dict[str, Any] = {}
+    hybrids: dict[str, Any] = {}
+    order: list[str] = []
     try:
-        servers = start_replicas(p, pools)
-        try:
-            summary = await run_with_replicas(p, servers, version_offset=0, pools=pools)
-        finally:
-            await shutdown_replicas(servers)
+        side = None
+        if hybrid_replicas(p.cfg):
+            # Two-phase start. The trainer first: its ranks take their bundles, so the
+            # hybrid replicas can be placed beside them. Phase 1: the hybrid replicas start
+            # and go to sleep. Phase 2: the standalone replicas start.
+            side = await start_trainer(p.cfg, pools)
+            order.append("trainer")
+            try:
+                hybrids = await start_hybrid_replicas(p, pools)
+                order.append("hybrid_asleep")
+                servers = start_replicas(p, pools)
+            except BaseException:
+                await side.close()
+                raise
+        else:
+            servers = start_replicas(p, pools)
+        order.append("standalone")
+        summary = await run_with_replicas(
+            p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids
+        )
     finally:
+        await shutdown_replicas({**servers, **hybrids})
         pools.remove()
     summary["total_wall_s"] = time.perf_counter() - t0
+    summary["start_order"] = order
     return summary
-
-
-async def shutdown_replicas(servers: dict[str, Any]) -> None:
-    import ray
-
-    for s in servers.values():
-        handle = getattr(s, "handle", None)
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(handle.shutdown.remote(), 30)
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(ray.kill, handle)

@@ -8,6 +8,11 @@ during the update (the buffer admits `1 + num_warmup_batches` batches ahead; a s
 interrupts in-flight requests, which the client resumes on the new weights); in `sync`
 the buffer admits one batch at a time, so generation and training alternate.
 
+Validation runs in the background on the rollout replicas; with hybrid replicas
+(`offbeat.core.trainer.hybrid`) it runs as a validation cycle on the trainer's devices
+too, and the trainer waits for it. While the trainer waits for a batch, replacements of
+dead replicas join at its weight version (`ReplicaPool.admit`).
+
 Knows nothing about the concrete engines: it drives a `TrainEngine` (or a trainer group
 whose calls are coroutines), a `ReplicaPool`
 (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
@@ -160,6 +165,7 @@ class Trainer:
         tracer: trace.Tracer | None = None,
         step_hooks: Sequence[Any] = (),
         critic_ref: Any = None,
+        hybrid: Any = None,
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -188,6 +194,9 @@ class Trainer:
         self.step_hooks = list(step_hooks)
         # The critic and/or reference model (offbeat.core.trainer.ppo.CriticAndReference).
         self.critic_ref = critic_ref
+        # HybridReplicas: validation cycles on the trainer's devices (None: no hybrids).
+        self.hybrid = hybrid
+        self.hybrid_metrics: list[tuple[int, dict[str, float]]] = []
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -258,6 +267,29 @@ class Trainer:
 
         self._val_task = asyncio.create_task(run(), name=f"validation-v{version}")
 
+    async def _validate(self) -> None:
+        """Validate the current version: on the hybrid replicas too when there are any
+        (the trainer waits: its devices serve them), else in the background."""
+        if self.validator is None:
+            return
+        if self.hybrid is None or not self.hybrid.servers:
+            self._start_validation()
+            return
+        await self._finish_validation()
+        version = self.version
+
+        async def run() -> tuple[int, dict[str, float]]:
+            with trace.span("validation_cycle", version=version):
+                metrics, cycle = await self.hybrid.cycle(
+                    self.engine.export_weights, version,
+                    lambda: self.validator.run(tag=f"v{version}"),
+                )  # fmt: skip
+            self.hybrid_metrics.append((version, cycle))
+            return version, {**metrics, **cycle}
+
+        self._val_task = asyncio.create_task(run(), name=f"validation-cycle-v{version}")
+        await self._finish_validation()
+
     # ---- the loop ------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         s = self.s
@@ -281,7 +313,7 @@ class Trainer:
         self.driver.start()
         try:
             if s.val_before_train and self.validator is not None:
-                self._start_validation()
+                await self._validate()
                 await self._finish_validation()
             for step in range(start, s.total_training_steps + 1):
                 with trace.span(f"step {step}", trace.MAIN_TRACK, step=step):
@@ -324,6 +356,8 @@ class Trainer:
                 )
                 if waiter.done():
                     return waiter.result()
+                if self.pool.joining:  # the weights are `self.version` while we wait
+                    await self.pool.admit(self.engine.export_weights, self.version)
                 self.driver.check()  # the failure limit, or a crashed rollout task
                 now = self._progress()
                 if now != last:
@@ -404,7 +438,7 @@ class Trainer:
         self.version = version
         self.sync_results.append(result)
         if (s.test_freq > 0 and step % s.test_freq == 0) or step == s.total_training_steps:
-            self._start_validation()
+            await self._validate()
 
         step_s = time.perf_counter() - t_step
         busy = self.driver.clock.read() - busy0
@@ -440,6 +474,7 @@ class Trainer:
             "perf/trainer_idle_frac": wait_s / step_s if step_s > 0 else 0.0,
             "perf/rollout_idle_frac": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
             "memory/trainer_peak_rss_gb": _peak_rss_gb(),
+            **self.pool.counts(),
         }
         metrics.update(agent_metrics([t for g in groups for t in g.trajectories]))
         for phase, secs in result.phase_s.items():

@@ -1,0 +1,145 @@
+"""Dead rollout replicas are replaced: bounded attempts with doubling backoff, and a
+replacement joins the balancer only once it holds the trainer's weight version."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from trainer_fakes import FakeServer, Harness, check_accounting
+
+from offbeat.balancer.aio import AsyncLoadBalancer
+from offbeat.ckpt_engine import CheckpointEngineManager
+from offbeat.core.trainer import replicas as replicas_module
+from offbeat.core.trainer.replicas import Replacement, ReplicaPool
+
+
+def weights():
+    yield "model.w", torch.full((4,), 2.0)
+
+
+class Starts:
+    """A `Replacement.start` that fails `failures` times, then starts a FakeServer."""
+
+    def __init__(self, failures: int = 0, tick_s: float = 0.0005) -> None:
+        self.failures, self.tick_s = failures, tick_s
+        self.calls: list[tuple[str, str, object]] = []
+        self.started: dict[str, FakeServer] = {}
+
+    async def __call__(self, dead_id, new_id, dead):
+        self.calls.append((dead_id, new_id, dead))
+        if len(self.calls) <= self.failures:
+            raise RuntimeError(f"no room for {new_id}")
+        server = self.started[new_id] = FakeServer(new_id, self.tick_s)
+        return server
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """The backoff delays the pool asked for (and no real waiting)."""
+    asked: list[float] = []
+    real = asyncio.sleep
+
+    async def fake(delay, *a, **k):
+        asked.append(delay)
+        await real(0)
+
+    monkeypatch.setattr(replicas_module.asyncio, "sleep", fake)
+    return asked
+
+
+def make_pool(starts, attempts=3, backoff_s=1.0):
+    s0 = FakeServer("s0")
+    balancer = AsyncLoadBalancer({"s0": s0})
+    pool = ReplicaPool(
+        {"s0": s0}, balancer, CheckpointEngineManager("naive"), health_timeout_s=2,
+        replacement=Replacement(starts, attempts=attempts, backoff_s=backoff_s),
+    )  # fmt: skip
+    return s0, balancer, pool
+
+
+async def test_a_replacement_joins_only_at_the_trainer_weight_version(sleeps):
+    starts = Starts()
+    s0, balancer, pool = make_pool(starts)
+    await pool.sync(weights, 2)
+    s0.dead = True
+    assert await pool.on_engine_error(ConnectionError("s0 died")) is True  # retry: it comes
+    await asyncio.wait(list(pool.replacing.values()))
+    assert starts.calls == [("s0", "s0-r1", s0)]  # the dead one is handed over to be freed
+    new = starts.started["s0-r1"]
+    assert pool.joining == {"s0-r1": new} and new.weight_version == 0
+    assert balancer.servers() == []  # not serving before it holds version 2
+    assert await pool.admit(weights, 2) == ["s0-r1"]
+    assert balancer.servers() == ["s0-r1"] and new.weight_version == 2
+    assert torch.equal(new.weights["model.w"], torch.full((4,), 2.0))
+    assert pool.replaced == {"s0": "s0-r1"} and "s0" in pool.removed
+    assert pool.counts() == {
+        "replicas/standalone": 1.0, "replicas/removed_total": 1.0, "replicas/replaced_total": 1.0,
+    }  # fmt: skip
+    assert sleeps == []  # the first start is at once
+
+
+async def test_failed_starts_back_off_doubling_and_give_up_after_the_bound(sleeps):
+    starts = Starts(failures=10)
+    s0, _, pool = make_pool(starts, attempts=3, backoff_s=0.5)
+    s0.dead = True
+    await pool.check_health()
+    await asyncio.wait(list(pool.replacing.values()))
+    assert [new for _, new, _ in starts.calls] == ["s0-r1", "s0-r2", "s0-r3"]
+    assert sleeps == [0.5, 1.0]  # retry k after backoff * 2**(k-1)
+    assert "s0" in pool.gave_up and "no room for s0-r3" in pool.gave_up["s0"]
+    assert pool.replacing == {} and pool.joining == {}
+    assert await pool.on_engine_error(ConnectionError("gone")) is False  # nothing comes
+
+
+async def test_a_retry_succeeds_within_the_bound(sleeps):
+    starts = Starts(failures=1)
+    s0, _, pool = make_pool(starts, attempts=2, backoff_s=0.25)
+    s0.dead = True
+    await pool.check_health()
+    await asyncio.wait(list(pool.replacing.values()))
+    assert list(pool.joining) == ["s0-r2"] and sleeps == [0.25]
+    assert starts.calls[1][2] is None  # freed by the first attempt already
+
+
+async def test_a_sync_waits_for_the_replacement_of_the_only_replica(sleeps):
+    starts = Starts()
+    s0, balancer, pool = make_pool(starts)
+    s0.dead = True
+    await pool.check_health()
+    result = await pool.sync(weights, 1)  # no live replica: waits, then syncs the new one
+    assert result.succeeded == ["s0-r1"] and balancer.servers() == ["s0-r1"]
+    assert starts.started["s0-r1"].weight_version == 1
+
+
+async def test_zero_attempts_only_removes(sleeps):
+    starts = Starts()
+    s0, _, pool = make_pool(starts, attempts=0)
+    s0.dead = True
+    await pool.check_health()
+    assert pool.replacing == {} and starts.calls == [] and pool.server_ids == []
+
+
+async def test_a_run_that_loses_its_only_replica_is_replaced_and_keeps_its_accounting(tmp_path):
+    starts = Starts(tick_s=0.002)
+    h = Harness(tmp_path, servers=1, total_training_steps=4, tick_s=0.002,
+                replacement=Replacement(starts, attempts=3, backoff_s=0.01))  # fmt: skip
+
+    async def kill_later():
+        while h.trainer.step < 2:
+            await asyncio.sleep(0.005)
+        h.servers["s0"].dead = True
+
+    killer = asyncio.ensure_future(kill_later())
+    summary = await h.run()
+    await killer
+    assert summary["steps"] == 4 and summary["version"] == 4
+    assert h.pool.replaced == {"s0": "s0-r1"} and h.pool.server_ids == ["s0-r1"]
+    new = starts.started["s0-r1"]
+    assert new.weight_version == 4 and new.outputs  # it served, at the trainer's versions
+    first = min(o.weight_version for o in new.outputs)
+    assert first >= 2  # it joined at a version the trainer held, never at 0
+    check_accounting(h)
+    rows = h.train_rows()
+    assert rows[-1]["replicas/replaced_total"] == 1.0 and rows[-1]["replicas/standalone"] == 1.0
