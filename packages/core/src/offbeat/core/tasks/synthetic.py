@@ -116,6 +116,14 @@ def read_parquet(path: str | Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
+def _num_rows(path: Path) -> int | None:
+    """Rows of an existing parquet file (from its footer), None when absent or unreadable."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException):
+        return None
+
+
 def write_task_files(
     out_dir: str | Path,
     task: str = "reverse",
@@ -127,12 +135,14 @@ def write_task_files(
     max_len: int = 5,
 ) -> tuple[Path, Path]:
     """Write `train.parquet` and `val.parquet` (disjoint seeds) into `out_dir`; return
-    their paths. Existing files are reused when present."""
+    their paths. Existing files are reused when they hold the asked number of rows (rows
+    are a function of task, seed and lengths: the caller keys `out_dir` by those), and
+    rewritten otherwise, so a changed `n_train`/`n_val` is never silently ignored."""
     out = Path(out_dir)
     train, val = out / "train.parquet", out / "val.parquet"
-    if not train.exists():
+    if _num_rows(train) != n_train:
         write_parquet(make_rows(task, n_train, seed=seed, min_len=min_len, max_len=max_len), train)
-    if not val.exists():
+    if _num_rows(val) != n_val:
         rows = make_rows(task, n_val, seed=seed + 1_000_003, min_len=min_len, max_len=max_len)
         write_parquet(rows, val)
     return train, val
