@@ -434,6 +434,8 @@ class VLLMRolloutServer:
         if self._sleep_mode and "kv_cache" in self._freed:
             await self.engine.wake_up(["kv_cache"])
             self._freed.discard("kv_cache")
+            if not self._freed:  # the weights were woken first: fully awake now
+                self.asleep_level = 0
         return self._sleep_mode
 
     async def sleep(self, level: int = 1) -> None:
