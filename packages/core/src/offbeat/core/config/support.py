@@ -3,9 +3,8 @@
 Three kinds of rule live here, all registered with `@check`:
 
 * features the schema names but nothing builds yet (a critic or a reference model in a
-  worker group of its own, a trainer of several ranks outside a job's runtime, a critic or reference model
-  beside a trainer that runs as a worker group): rejected naming the
-  missing piece. When a piece lands, delete its lines in `_not_built_yet` and nothing
+  worker group of its own, a trainer of several ranks outside a job's runtime): rejected
+  naming the missing piece. When a piece lands, delete its lines in `_not_built_yet` and nothing
   else. GAE runs only with a critic and a KL term only with a reference model: when the
   configured train engine cannot build one, `check` names it;
 * settings of a feature that is switched off (GAE's gamma with GRPO, `critic.*` without a
@@ -92,17 +91,6 @@ def _builds(engine: Any, builder: str) -> bool | None:
         return None
 
 
-def _trainer_in_group(cfg: Any) -> bool:
-    """Whether a recipe's trainer runs as a worker group (offbeat.core.runtime.launch's
-    `trainer_in_driver`, false); a bare JobConfig has no runtime and one rank."""
-    rt, r = getattr(cfg, "runtime", None), cfg.resources
-    if rt is None:
-        return False
-    if rt.trainer_in_driver is not None:
-        return not rt.trainer_in_driver
-    return not (r.trainer_devices == 1 and r.num_nodes == 1 and not rt.ray_address)
-
-
 @check
 def _not_built_yet(cfg: Any, p: Problems) -> None:
     """The one place that rejects what the schema accepts but nothing builds yet."""
@@ -128,17 +116,6 @@ def _not_built_yet(cfg: Any, p: Problems) -> None:
                 f"needs a reference model and actor.engine={a.engine!r} builds none; engines "
                 f"that do: {', '.join(_engines_that('reference_from_job_config'))}",
             )
-    if (needs_critic(al.adv_estimator) or needs_reference(al)) and _trainer_in_group(cfg):
-        p.add(
-            "algorithm.adv_estimator"
-            if needs_critic(al.adv_estimator)
-            else "algorithm." + ("use_kl_loss" if al.use_kl_loss is True else "use_kl_in_reward"),
-            al.adv_estimator if needs_critic(al.adv_estimator) else True,
-            "the critic and the reference model run in the driver beside a trainer that runs "
-            "there too; with the trainer as a worker group (resources.trainer_devices>1, "
-            "num_nodes>1, runtime.ray_address or runtime.trainer_in_driver=false) they are "
-            "not built yet",
-        )
     if type(r.trainer_devices) is int and r.trainer_devices > 1 and not hasattr(cfg, "runtime"):
         p.add(
             "resources.trainer_devices",

@@ -6,6 +6,10 @@ train engine the loop drives and the checkpoint engine that syncs its weights: w
 trainer in the driver (one rank on a local Ray, the cheapest path) a plain engine and a
 `CheckpointEngineManager`; otherwise a `TrainerGroup` of `resources.trainer_devices`
 rank actors on the trainer pool and a `GroupCheckpointEngine` whose sender is rank 0.
+When the job has a critic and/or a reference policy placed with the actor
+(`critic.placement=actor`, `ref.placement=actor`), the group's ranks build them too, and
+the side carries their engine-shaped proxies (`engines.py`); in the driver the training
+loop builds them itself.
 
 Knows the job config's resource and runtime keys, the pools and the group; nothing of
 the rollout engines or the training loop.
@@ -17,12 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from offbeat.core.runtime.engines import GroupCriticEngine, GroupReferenceEngine
 from offbeat.core.runtime.group import TrainerGroup
 from offbeat.core.runtime.pools import DEVICE_RESOURCES, PoolSpec, ResourcePools, pool_specs
 
 __all__ = [
     "HYBRID_DEVICE_SHARE",
     "TrainerSide",
+    "group_roles",
     "hybrid_options",
     "hybrid_replicas",
     "replica_options",
@@ -47,6 +53,20 @@ def trainer_in_driver(cfg: Any) -> bool:
 def hybrid_replicas(cfg: Any) -> bool:
     """Whether the job runs hybrid replicas (`trainer.validate_on_trainer_devices`)."""
     return bool(getattr(getattr(cfg, "trainer", None), "validate_on_trainer_devices", False))
+
+
+def group_roles(cfg: Any) -> tuple[str, ...]:
+    """The engines each rank of the trainer's worker group builds: the actor, plus the
+    critic when the advantage estimator needs one and the reference policy when a KL term
+    reads it, each when placed with the actor (`critic.placement`, `ref.placement`)."""
+    from offbeat.core.config.support import needs_critic, needs_reference
+
+    roles = ["actor"]
+    if needs_critic(cfg.algorithm.adv_estimator) and cfg.critic.placement == "actor":
+        roles.append("critic")
+    if needs_reference(cfg.algorithm) and cfg.ref.placement == "actor":
+        roles.append("reference")
+    return tuple(roles)
 
 
 # The part of a trainer bundle's device its hybrid replica is given (Ray hands both the
@@ -109,11 +129,14 @@ def hybrid_options(cfg: Any, pools: ResourcePools, rank: int) -> dict[str, Any]:
 @dataclass
 class TrainerSide:
     """The loop's engine (a TrainEngine or a TrainerGroup), the checkpoint engine that
-    syncs it, and the group when there is one."""
+    syncs it, the group when there is one, and the group's critic and reference engines
+    when its ranks hold them (None: the loop builds its own, in the driver)."""
 
     engine: Any
     manager: Any
     group: TrainerGroup | None = None
+    critic_engine: Any = None
+    reference_engine: Any = None
 
     def hybrid_manager(self, cfg: Any) -> Any:
         """A checkpoint engine of its own for the hybrid replicas: a host-side backend
@@ -159,9 +182,10 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
         raise ValueError("start_trainer: the trainer runs as a worker group and needs its pool")
     n = cfg.resources.trainer_devices
     cpus = [share_of(rt.trainer_cpus, n, r) if rt.trainer_cpus else [] for r in range(n)]
+    roles = group_roles(cfg)
     group = await TrainerGroup.start(
         cfg, n, options=_rank_options(cfg, pools), cpus=cpus, seed=cfg.trainer.seed,
-        threads=rt.trainer_threads,
+        threads=rt.trainer_threads, roles=roles,
     )  # fmt: skip
     group.call_timeout_s = rt.stall_timeout_s
     try:
@@ -169,7 +193,9 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
             group, rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s,
             backend_options=group_backend_options(rt.ckpt_backend, group, cfg.resources.device),
         )  # fmt: skip
+        critic = GroupCriticEngine(group) if "critic" in roles else None
+        reference = GroupReferenceEngine(group) if "reference" in roles else None
     except BaseException:
         group.shutdown()
         raise
-    return TrainerSide(group, manager, group)
+    return TrainerSide(group, manager, group, critic, reference)
