@@ -76,16 +76,28 @@ def test_offbeat_run_fails_fast_without_starting_anything():
 # value and what is missing or valid (offbeat.core.config.support and
 # offbeat.core.trainer.runtime_checks).
 NOT_HONOURED = [
-    (
+    (  # a critic of its own takes a device of its own: 1 + 1 + 1 on 2 devices
         ["algorithm.adv_estimator=gae", "critic.placement=separate"],
-        "critic.placement",
-        "needs the distributed trainer's worker groups",
+        "resources.trainer_devices+resources.rollout_devices+critic.devices",
+        "must equal resources.num_nodes × resources.devices_per_node = 2",
     ),
     (
-        ["algorithm.use_kl_loss=true", "ref.placement=separate"],
-        "ref.placement",
-        "needs the distributed trainer's worker groups",
+        ["algorithm.use_kl_loss=true", "ref.placement=separate", "resources.devices_per_node=3",
+         "runtime.trainer_in_driver=true"],
+        "runtime.trainer_in_driver",
+        "ref.placement=separate starts worker groups",
     ),
+    (
+        ["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.devices=0"],
+        "critic.devices",
+        "must be an int > 0",
+    ),
+    (
+        ["algorithm.use_kl_loss=true", "ref.devices=2"],
+        "ref.devices",
+        "only read with ref.placement=separate",
+    ),
+    (["critic.devices=2"], "critic.devices", "nothing reads critic.*"),
     (["ref.param_offload=true"], "ref.param_offload", "nothing reads ref.*"),
     (
         ["algorithm.use_kl_loss=true", "ref.param_offload=true"],
@@ -316,6 +328,23 @@ def test_a_critic_and_reference_beside_a_trainer_worker_group_are_accepted(overr
     if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         want.append("reference")
     assert list(group_roles(cfg)) == want
+
+
+def test_a_critic_and_reference_in_groups_of_their_own_get_pools_of_their_own():
+    from offbeat.core.runtime import group_roles, pool_specs, trainer_in_driver
+
+    _, cfg = load_recipe_config(
+        "separate_async",
+        ["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.devices=2",
+         "algorithm.use_kl_loss=true", "ref.placement=separate", "resources.devices_per_node=5",
+         "runtime.ray_num_cpus=5"],
+    )  # fmt: skip
+    assert trainer_in_driver(cfg) is False  # null (auto): the actor is a worker group too
+    assert group_roles(cfg) == ("actor",)  # the actor's ranks hold neither
+    specs = {s.name: s for s in pool_specs(cfg)}
+    assert list(specs) == ["trainer", "rollout", "critic", "reference"]
+    assert specs["critic"].bundles == 2 and specs["reference"].bundles == 1
+    assert dict(specs["critic"].bundle) == dict(specs["trainer"].bundle) == {"CPU": 1.0}
 
 
 def test_hybrid_replicas_put_the_trainer_in_a_pool_with_room_for_them():

@@ -135,6 +135,8 @@ class TrainerGroup:
         self.call_timeout_s: float | None = None  # no answer this long: the call fails
         self.roles: tuple[str, ...] = ("actor",)  # the engines every rank holds
         self.reference_fingerprint: list[float] | None = None  # with the reference role
+        # Groups whose calls belong to this one's global steps (a critic of its own).
+        self.linked: list[TrainerGroup] = []
 
     @property
     def dp_size(self) -> int:
@@ -185,6 +187,8 @@ class TrainerGroup:
     # ---- fan-out -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
+        for g in self.linked:
+            g.begin_step(step)
 
     async def _one(self, rank: int, what: str, ref: Any) -> Any:
         return (await self._all(what, [ref], ranks=[rank]))[0]
