@@ -82,8 +82,12 @@ NOT_HONOURED = [
         "must equal resources.num_nodes × resources.devices_per_node = 2",
     ),
     (
-        ["algorithm.use_kl_loss=true", "ref.placement=separate", "resources.devices_per_node=3",
-         "runtime.trainer_in_driver=true"],
+        [
+            "algorithm.use_kl_loss=true",
+            "ref.placement=separate",
+            "resources.devices_per_node=3",
+            "runtime.trainer_in_driver=true",
+        ],
         "runtime.trainer_in_driver",
         "ref.placement=separate starts worker groups",
     ),
