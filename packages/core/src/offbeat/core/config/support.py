@@ -69,12 +69,16 @@ def needs_reference(algorithm: Any) -> bool:
 
 def separate_groups(cfg: Any) -> dict[str, Any]:
     """Role ("critic", "reference") -> its `devices` (ranks of its own worker group), for
-    each model the algorithm reads and places in a group of its own (`placement=separate`)."""
+    each model the algorithm reads and places in a group of its own (`placement=separate`);
+    none for a config without those sections."""
+    al, critic, ref = (getattr(cfg, k, None) for k in ("algorithm", "critic", "ref"))
+    if al is None:
+        return {}
     out = {}
-    if needs_critic(cfg.algorithm.adv_estimator) and cfg.critic.placement == "separate":
-        out["critic"] = cfg.critic.devices
-    if needs_reference(cfg.algorithm) and cfg.ref.placement == "separate":
-        out["reference"] = cfg.ref.devices
+    if critic is not None and critic.placement == "separate" and needs_critic(al.adv_estimator):
+        out["critic"] = critic.devices
+    if ref is not None and ref.placement == "separate" and needs_reference(al):
+        out["reference"] = ref.devices
     return out
 
 
