@@ -76,16 +76,32 @@ def test_offbeat_run_fails_fast_without_starting_anything():
 # value and what is missing or valid (offbeat.core.config.support and
 # offbeat.core.trainer.runtime_checks).
 NOT_HONOURED = [
-    (
+    (  # a critic of its own takes a device of its own: 1 + 1 + 1 on 2 devices
         ["algorithm.adv_estimator=gae", "critic.placement=separate"],
-        "critic.placement",
-        "needs the distributed trainer's worker groups",
+        "resources.trainer_devices+resources.rollout_devices+critic.devices",
+        "must equal resources.num_nodes × resources.devices_per_node = 2",
     ),
     (
-        ["algorithm.use_kl_loss=true", "ref.placement=separate"],
-        "ref.placement",
-        "needs the distributed trainer's worker groups",
+        [
+            "algorithm.use_kl_loss=true",
+            "ref.placement=separate",
+            "resources.devices_per_node=3",
+            "runtime.trainer_in_driver=true",
+        ],
+        "runtime.trainer_in_driver",
+        "ref.placement=separate starts worker groups",
     ),
+    (
+        ["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.devices=0"],
+        "critic.devices",
+        "must be an int > 0",
+    ),
+    (
+        ["algorithm.use_kl_loss=true", "ref.devices=2"],
+        "ref.devices",
+        "only read with ref.placement=separate",
+    ),
+    (["critic.devices=2"], "critic.devices", "nothing reads critic.*"),
     (["ref.param_offload=true"], "ref.param_offload", "nothing reads ref.*"),
     (
         ["algorithm.use_kl_loss=true", "ref.param_offload=true"],
@@ -293,24 +309,46 @@ def test_gae_without_a_critic_engine_and_kl_without_a_reference_name_what_is_mis
     assert "actor.engine='policy_only'" in by_key["algorithm.use_kl_loss"]
 
 
-def test_a_critic_beside_a_trainer_worker_group_is_rejected():
-    """The critic and the reference model are built in the driver; a trainer that runs as
-    a worker group has none there, so `check` says so instead of running without them."""
-    with pytest.raises(ConfigError) as info:
-        load_recipe_config(
-            "separate_async",
-            ["algorithm.adv_estimator=gae", "resources.devices_per_node=3",
-             "resources.trainer_devices=2"],
-        )  # fmt: skip
-    by_key = {p.key: p.expected for p in info.value.problems}
-    assert "worker group" in by_key["algorithm.adv_estimator"]
-    with pytest.raises(ConfigError) as info:
-        load_recipe_config(
-            "separate_async", ["algorithm.use_kl_loss=true", "runtime.trainer_in_driver=false"]
-        )
-    assert (
-        "worker group" in {p.key: p.expected for p in info.value.problems}["algorithm.use_kl_loss"]
-    )
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.adv_estimator=gae", "resources.devices_per_node=3",
+         "resources.trainer_devices=2"],
+        ["algorithm.use_kl_loss=true", "runtime.trainer_in_driver=false"],
+        ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+         "runtime.trainer_in_driver=false"],
+    ],
+)  # fmt: skip
+def test_a_critic_and_reference_beside_a_trainer_worker_group_are_accepted(overrides):
+    """The group's ranks build the critic and the reference beside the actor: `check`
+    accepts them, and the ranks are told to build exactly what the algorithm reads."""
+    from offbeat.core.runtime import group_roles, trainer_in_driver
+
+    _, cfg = load_recipe_config("separate_async", overrides)
+    assert trainer_in_driver(cfg) is False
+    want = ["actor"]
+    if cfg.algorithm.adv_estimator == "gae":
+        want.append("critic")
+    if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        want.append("reference")
+    assert list(group_roles(cfg)) == want
+
+
+def test_a_critic_and_reference_in_groups_of_their_own_get_pools_of_their_own():
+    from offbeat.core.runtime import group_roles, pool_specs, trainer_in_driver
+
+    _, cfg = load_recipe_config(
+        "separate_async",
+        ["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.devices=2",
+         "algorithm.use_kl_loss=true", "ref.placement=separate", "resources.devices_per_node=5",
+         "runtime.ray_num_cpus=5"],
+    )  # fmt: skip
+    assert trainer_in_driver(cfg) is False  # null (auto): the actor is a worker group too
+    assert group_roles(cfg) == ("actor",)  # the actor's ranks hold neither
+    specs = {s.name: s for s in pool_specs(cfg)}
+    assert list(specs) == ["trainer", "rollout", "critic", "reference"]
+    assert specs["critic"].bundles == 2 and specs["reference"].bundles == 1
+    assert dict(specs["critic"].bundle) == dict(specs["trainer"].bundle) == {"CPU": 1.0}
 
 
 def test_hybrid_replicas_put_the_trainer_in_a_pool_with_room_for_them():

@@ -106,9 +106,11 @@ class CriticConfig:
 
     engine: str = "fsdp2"  # a name in TRAIN_ENGINES whose engine builds a critic
     model_path: str = ""  # empty: initialise from model.path (the actor's)
-    # actor: in the actor's worker group (today: the trainer process); separate: its own
-    # group (needs the distributed trainer's worker groups, not built yet).
+    # actor: on the actor's ranks (the trainer process, or each rank of the trainer's
+    # worker group); separate: a worker group of its own, `devices` ranks on a pool of its
+    # own (the trainer then runs as a worker group too).
     placement: str = "actor"
+    devices: int = 1  # ranks of its own group (placement=separate); adds up in resources.*
     ppo_micro_batch_size_per_device: int = 4  # trajectories per forward/backward
     ppo_epochs: int = 1  # passes over each mini-batch per global step
     lr: float = 1e-5
@@ -124,7 +126,8 @@ class ReferenceConfig:
     ``ref_log_probs``; built (and read) only when a KL term needs it
     (algorithm.use_kl_loss or algorithm.use_kl_in_reward)."""
 
-    placement: str = "actor"  # actor | separate (not built yet), as critic.placement
+    placement: str = "actor"  # actor | separate, as critic.placement
+    devices: int = 1  # ranks of its own group (placement=separate), as critic.devices
     param_offload: bool = False  # keep its weights in host memory between forwards (GPUs)
     # trajectories per forward; None: actor.ppo_micro_batch_size_per_device
     log_prob_micro_batch_size_per_device: int | None = None

@@ -2,10 +2,9 @@
 
 Three kinds of rule live here, all registered with `@check`:
 
-* features the schema names but nothing builds yet (a critic or a reference model in a
-  worker group of its own, a trainer of several ranks outside a job's runtime, a critic or reference model
-  beside a trainer that runs as a worker group): rejected naming the
-  missing piece. When a piece lands, delete its lines in `_not_built_yet` and nothing
+* features the schema names but nothing builds yet (worker groups outside a job's
+  runtime: several trainer ranks, a critic or a reference model in a group of its own):
+  rejected naming the missing piece. When a piece lands, delete its lines in `_not_built_yet` and nothing
   else. GAE runs only with a critic and a KL term only with a reference model: when the
   configured train engine cannot build one, `check` names it;
 * settings of a feature that is switched off (GAE's gamma with GRPO, `critic.*` without a
@@ -34,13 +33,11 @@ from offbeat.core.config.schema import (
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import ADV_ESTIMATORS, DEVICES, KL_ESTIMATORS, TRAIN_ENGINES
 
-__all__ = ["critic_estimators", "needs_critic", "needs_reference"]
+__all__ = ["critic_estimators", "needs_critic", "needs_reference", "separate_groups"]
 
 PLACEMENTS = ("actor", "separate")
-_SEPARATE = (
-    "in a worker group of its own needs the distributed trainer's worker groups (not built "
-    "yet); set actor (the actor's worker group: today the trainer process)"
-)
+# The config section of each role that may run in a worker group of its own.
+SEPARATE_SECTIONS = {"critic": "critic", "reference": "ref"}
 
 # Packages that provide a device offbeat does not build in: named when it is missing.
 DEVICE_PACKAGES = {"npu": "offbeat-device-ascend[npu] (the Ascend plugin and torch-npu)"}
@@ -70,6 +67,21 @@ def needs_reference(algorithm: Any) -> bool:
     return algorithm.use_kl_loss is True or algorithm.use_kl_in_reward is True
 
 
+def separate_groups(cfg: Any) -> dict[str, Any]:
+    """Role ("critic", "reference") -> its `devices` (ranks of its own worker group), for
+    each model the algorithm reads and places in a group of its own (`placement=separate`);
+    none for a config without those sections."""
+    al, critic, ref = (getattr(cfg, k, None) for k in ("algorithm", "critic", "ref"))
+    if al is None:
+        return {}
+    out = {}
+    if critic is not None and critic.placement == "separate" and needs_critic(al.adv_estimator):
+        out["critic"] = critic.devices
+    if ref is not None and ref.placement == "separate" and needs_reference(al):
+        out["reference"] = ref.devices
+    return out
+
+
 def _engines_that(builder: str) -> list[str]:
     out = []
     for name in TRAIN_ENGINES.names():
@@ -92,35 +104,21 @@ def _builds(engine: Any, builder: str) -> bool | None:
         return None
 
 
-def _trainer_in_group(cfg: Any) -> bool:
-    """Whether a recipe's trainer runs as a worker group (offbeat.core.runtime.launch's
-    `trainer_in_driver`, false); a bare JobConfig has no runtime and one rank."""
-    rt, r = getattr(cfg, "runtime", None), cfg.resources
-    if rt is None:
-        return False
-    if rt.trainer_in_driver is not None:
-        return not rt.trainer_in_driver
-    return not (r.trainer_devices == 1 and r.num_nodes == 1 and not rt.ray_address)
-
-
 @check
 def _not_built_yet(cfg: Any, p: Problems) -> None:
     """The one place that rejects what the schema accepts but nothing builds yet."""
     al, a, r = cfg.algorithm, cfg.actor, cfg.resources
-    if needs_critic(al.adv_estimator):
-        if cfg.critic.placement == "separate":
-            p.add("critic.placement", "separate", f"a critic {_SEPARATE}")
-        if _builds(cfg.critic.engine, "critic_from_job_config") is False:
-            p.add(
-                "algorithm.adv_estimator",
-                al.adv_estimator,
-                f"needs a critic (value model) and critic.engine={cfg.critic.engine!r} builds "
-                f"none; engines that do: {', '.join(_engines_that('critic_from_job_config'))}",
-            )
+    if needs_critic(al.adv_estimator) and (
+        _builds(cfg.critic.engine, "critic_from_job_config") is False
+    ):
+        p.add(
+            "algorithm.adv_estimator",
+            al.adv_estimator,
+            f"needs a critic (value model) and critic.engine={cfg.critic.engine!r} builds "
+            f"none; engines that do: {', '.join(_engines_that('critic_from_job_config'))}",
+        )
     if needs_reference(al):
         key = "use_kl_loss" if al.use_kl_loss is True else "use_kl_in_reward"
-        if cfg.ref.placement == "separate":
-            p.add("ref.placement", "separate", f"a reference model {_SEPARATE}")
         if _builds(a.engine, "reference_from_job_config") is False:
             p.add(
                 f"algorithm.{key}",
@@ -128,16 +126,14 @@ def _not_built_yet(cfg: Any, p: Problems) -> None:
                 f"needs a reference model and actor.engine={a.engine!r} builds none; engines "
                 f"that do: {', '.join(_engines_that('reference_from_job_config'))}",
             )
-    if (needs_critic(al.adv_estimator) or needs_reference(al)) and _trainer_in_group(cfg):
+    for role in separate_groups(cfg) if not hasattr(cfg, "runtime") else ():
+        section = SEPARATE_SECTIONS[role]
         p.add(
-            "algorithm.adv_estimator"
-            if needs_critic(al.adv_estimator)
-            else "algorithm." + ("use_kl_loss" if al.use_kl_loss is True else "use_kl_in_reward"),
-            al.adv_estimator if needs_critic(al.adv_estimator) else True,
-            "the critic and the reference model run in the driver beside a trainer that runs "
-            "there too; with the trainer as a worker group (resources.trainer_devices>1, "
-            "num_nodes>1, runtime.ray_address or runtime.trainer_in_driver=false) they are "
-            "not built yet",
+            f"{section}.placement",
+            "separate",
+            "a worker group of its own runs in a job's runtime, which a config without a "
+            "runtime section (a bare JobConfig, not a recipe's RunConfig) does not start: "
+            "set actor, or run it as a recipe",
         )
     if type(r.trainer_devices) is int and r.trainer_devices > 1 and not hasattr(cfg, "runtime"):
         p.add(
@@ -232,12 +228,26 @@ def _settings_of_features_that_are_off(cfg: Any, p: Problems) -> None:
         )  # fmt: skip
 
 
+def _placement_devices(p: Problems, section: str, c: Any) -> None:
+    """`devices` is read only by a group of its own; there, an int > 0."""
+    if c.placement == "separate":
+        p.require_int(f"{section}.devices", c.devices)
+    elif c.devices != 1:
+        p.add(
+            f"{section}.devices",
+            c.devices,
+            f"only read with {section}.placement=separate (placed with the actor it runs on "
+            f"the actor's ranks, resources.trainer_devices); leave it at 1",
+        )
+
+
 @check
 def _critic_and_reference_values(cfg: Any, p: Problems) -> None:
     """Ranges of the critic's, the reference's and the KL controller's keys, when read."""
     al, c = cfg.algorithm, cfg.critic
     if needs_critic(al.adv_estimator):
-        p.require_choice("critic.placement", c.placement, PLACEMENTS)
+        if p.require_choice("critic.placement", c.placement, PLACEMENTS):
+            _placement_devices(p, "critic", c)
         p.require_int("critic.ppo_micro_batch_size_per_device", c.ppo_micro_batch_size_per_device)
         p.require_int("critic.ppo_epochs", c.ppo_epochs)
         p.require_int("critic.lr_warmup_steps", c.lr_warmup_steps, minimum=0)
@@ -254,7 +264,8 @@ def _critic_and_reference_values(cfg: Any, p: Problems) -> None:
                   "actor's model.path)")  # fmt: skip
     if needs_reference(al):
         r = cfg.ref
-        p.require_choice("ref.placement", r.placement, PLACEMENTS)
+        if p.require_choice("ref.placement", r.placement, PLACEMENTS):
+            _placement_devices(p, "ref", r)
         if r.log_prob_micro_batch_size_per_device is not None:
             p.require_int(
                 "ref.log_prob_micro_batch_size_per_device", r.log_prob_micro_batch_size_per_device

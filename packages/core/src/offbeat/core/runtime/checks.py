@@ -1,4 +1,5 @@
-"""Validation rules for the runtime's placement keys: the trainer group and the pools,
+"""Validation rules for the runtime's placement keys: the trainer group and the pools
+(with a critic / reference model in a group of its own),
 hybrid replicas (`trainer.validate_on_trainer_devices`) against that resource split, and
 the replacement of dead replicas (`runtime.replica_replace_*`).
 
@@ -39,6 +40,15 @@ def _trainer_group_rules(cfg: Any, p: Problems) -> None:
             else:
                 _positive(p, f"runtime.{key}.{name}", amount)
     if rt.trainer_in_driver is True:
+        from offbeat.core.config.support import SEPARATE_SECTIONS, separate_groups
+
+        for role in separate_groups(cfg):
+            p.add(
+                "runtime.trainer_in_driver",
+                True,
+                f"{SEPARATE_SECTIONS[role]}.placement=separate starts worker groups, the "
+                f"trainer's among them: set null (auto) or false",
+            )
         if type(r.trainer_devices) is int and r.trainer_devices > 1:
             p.add(
                 "runtime.trainer_in_driver",

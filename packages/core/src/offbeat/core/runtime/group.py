@@ -2,24 +2,28 @@
 from the job's event loop.
 
 Ranks are `TrainerRank` actors, one per bundle of the trainer pool in (node, bundle)
-order; rank 0 publishes the rendezvous address, then every rank joins and builds its
-engine at once. Every group method fans out to all ranks and awaits their refs together
-(never `ray.get` on the loop); the first rank to fail fails the call with
+order; rank 0 publishes the rendezvous address, then every rank joins and builds the
+engines of the group's roles at once (the actor, and the critic and/or the reference
+policy when the job has them). Every group method fans out to all ranks and awaits their
+refs together (never `ray.get` on the loop); the first rank to fail fails the call with
 `TrainerRankFailed`, naming the rank, what it was doing and the global step. A batch is
-split across ranks by token count (`split_by_tokens`), and the ranks' metrics are merged
-(`merge_rank_metrics`). The group offers the `TrainEngine` calls the training loop makes:
-`update` and `compute_log_probs` are coroutines; `save`/`load` block (the checkpoint
-manager calls them in a worker thread). Weights never come to the driver: a weight sync
-goes through `GroupCheckpointEngine` (`weight_sync.py`), whose sender is rank 0.
+split across ranks by token count (`split_by_tokens`), rows come back in batch order,
+and the ranks' metrics are merged (`merge_rank_metrics`). The group offers the
+`TrainEngine` calls the training loop makes: `update` and `compute_log_probs` are
+coroutines; `save`/`load` block (the checkpoint manager calls them in a worker thread);
+the critic's and the reference's calls are coroutines too, which `GroupCriticEngine` and
+`GroupReferenceEngine` (`engines.py`) turn into blocking engine calls for worker threads.
+Weights never come to the driver: a weight sync goes through `GroupCheckpointEngine`
+(`weight_sync.py`), whose sender is rank 0.
 
-Knows nothing about the engine inside a rank, the replicas, or the training loop.
+Knows nothing about the engines inside a rank, the replicas, or the training loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +34,13 @@ from offbeat.core.runtime.rank import TrainerRank
 # After one rank raised, how long to wait for a rank that died (the likelier cause).
 _GRACE_S = 3.0
 
-__all__ = ["TrainerGroup", "TrainerRankFailed", "merge_rank_metrics", "split_by_tokens"]
+__all__ = [
+    "TrainerGroup",
+    "TrainerRankFailed",
+    "gather_rows",
+    "merge_rank_metrics",
+    "split_by_tokens",
+]
 
 
 class TrainerRankFailed(RuntimeError):
@@ -80,6 +90,19 @@ def merge_rank_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]
     return out
 
 
+def gather_rows(parts: Sequence[list[int]], shards: Sequence[torch.Tensor], rows: int):
+    """One [rows, ...] tensor from each rank's answer for its rows (`parts[r]`, as
+    `split_by_tokens` gave them): row i of the result is the answer for batch row i."""
+    if sorted(i for part in parts for i in part) != list(range(rows)):
+        raise ValueError(f"the ranks' rows {list(parts)} do not cover a batch of {rows} rows")
+    out = torch.empty((rows, *shards[0].shape[1:]), dtype=shards[0].dtype)
+    for part, shard in zip(parts, shards, strict=True):
+        if shard.shape[0] != len(part):
+            raise ValueError(f"a rank answered {shard.shape[0]} rows for its {len(part)}")
+        out[torch.tensor(part, dtype=torch.long)] = shard
+    return out
+
+
 def _rows(data: dict[str, Any], index: list[int]) -> dict[str, Any]:
     idx = torch.tensor(index, dtype=torch.long)
     return {
@@ -110,6 +133,10 @@ class TrainerGroup:
         self.pids: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self.call_timeout_s: float | None = None  # no answer this long: the call fails
+        self.roles: tuple[str, ...] = ("actor",)  # the engines every rank holds
+        self.reference_fingerprint: list[float] | None = None  # with the reference role
+        # Groups whose calls belong to this one's global steps (a critic of its own).
+        self.linked: list[TrainerGroup] = []
 
     @property
     def dp_size(self) -> int:
@@ -127,9 +154,11 @@ class TrainerGroup:
         cpus: list[list[int]] | None = None,
         seed: int = 0,
         threads: int = 1,
+        roles: Sequence[str] = ("actor",),
     ) -> TrainerGroup:
         """Start `world` ranks (rank r with Ray actor `options[r]`, e.g. its placement-group
-        bundle and devices), rendezvous through rank 0 and build `job`'s engine on each."""
+        bundle and devices), rendezvous through rank 0 and build `job`'s engines of `roles`
+        (see `TrainerRank.build`) on each."""
         import ray
 
         actor = ray.remote(TrainerRank)
@@ -141,12 +170,14 @@ class TrainerGroup:
         ]
         group = cls(handles)
         group._loop = asyncio.get_running_loop()
+        group.roles = tuple(roles)
         try:
             master = group.master = await group._one(0, "address", handles[0].address.remote())
             built = await group._all(
-                "build", [h.build.remote(job, master, seed, threads) for h in handles]
+                "build", [h.build.remote(job, master, seed, threads, group.roles) for h in handles]
             )
             group.pids = [b["pid"] for b in built]
+            group.reference_fingerprint = built[0].get("reference_fingerprint")
             group.node_ids = await group._all("node_id", [h.node_id.remote() for h in handles])
         except BaseException:
             group.shutdown()
@@ -156,6 +187,8 @@ class TrainerGroup:
     # ---- fan-out -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
+        for g in self.linked:
+            g.begin_step(step)
 
     async def _one(self, rank: int, what: str, ref: Any) -> Any:
         return (await self._all(what, [ref], ranks=[rank]))[0]
@@ -216,36 +249,51 @@ class TrainerGroup:
         tokens = data["attention_mask"].sum(dim=1).tolist()
         return split_by_tokens(tokens, self.dp_size)
 
-    async def update(self, mini_batch: dict[str, Any], temperature: float | None = None) -> dict:
-        """One optimizer step of every rank on its token-balanced shard of `mini_batch`."""
-        parts = self._shards(mini_batch)
+    async def _scatter(self, method: str, data: dict[str, Any], *args: Any) -> tuple[list, list]:
+        """Every rank's `method` on its token-balanced shard of `data`: (rows, results)."""
+        parts = self._shards(data)
         refs = [
-            h.update.remote(_rows(mini_batch, part), temperature)
+            getattr(h, method).remote(_rows(data, part), *args)
             for h, part in zip(self.handles, parts, strict=True)
         ]
-        return merge_rank_metrics(await self._all("update", refs))
+        return parts, await self._all(method, refs)
+
+    async def _per_row(self, method: str, data: dict[str, Any], *args: Any) -> torch.Tensor:
+        """`method`'s [rows, R] answer for `data`, each rank's rows put back in order."""
+        parts, shards = await self._scatter(method, data, *args)
+        return gather_rows(parts, shards, data["response_mask"].shape[0])
+
+    async def update(self, mini_batch: dict[str, Any], temperature: float | None = None) -> dict:
+        """One optimizer step of every rank on its token-balanced shard of `mini_batch`."""
+        _, metrics = await self._scatter("update", mini_batch, temperature)
+        return merge_rank_metrics(metrics)
 
     async def compute_log_probs(self, batch: dict[str, Any], temperature: float | None = None):
         """Log-probs [B, R] of `batch`, each rank scoring its shard; rows back in order."""
-        parts = self._shards(batch)
-        refs = [
-            h.compute_log_probs.remote(_rows(batch, part), temperature)
-            for h, part in zip(self.handles, parts, strict=True)
-        ]
-        shards = await self._all("compute_log_probs", refs)
-        out = torch.empty(
-            (batch["response_mask"].shape[0], shards[0].shape[1]), dtype=shards[0].dtype
-        )
-        for part, shard in zip(parts, shards, strict=True):
-            out[torch.tensor(part, dtype=torch.long)] = shard
-        return out
+        return await self._per_row("compute_log_probs", batch, temperature)
 
     def export_weights(self) -> _NotOnTheDriver:
         return _NotOnTheDriver()
 
-    # ---- blocking calls, for worker threads (the checkpoint manager's) -------------------
-    def _blocking(self, what: str, refs: list[Any]) -> list:
-        """`_all` from a worker thread: the refs are awaited on the group's event loop."""
+    # ---- the critic's and the reference policy's calls (roles "critic", "reference") -----
+    async def compute_values(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The critic's values [B, R] of `batch`; rows back in order."""
+        return await self._per_row("compute_values", batch)
+
+    async def update_critic(self, mini_batch: dict[str, Any]) -> dict[str, float]:
+        """One critic step of every rank on its shard of `mini_batch` (the value loss is
+        normalised over the whole mini-batch, on every rank)."""
+        _, metrics = await self._scatter("update_critic", mini_batch)
+        return merge_rank_metrics(metrics)
+
+    async def ref_log_probs(self, batch: dict[str, Any], temperature: float | None = None):
+        """The reference policy's log-probs [B, R] of `batch`; rows back in order."""
+        return await self._per_row("ref_log_probs", batch, temperature)
+
+    # ---- blocking calls, for worker threads (the checkpoint manager's, the critic's) -----
+    def _block_on(self, what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """Run the coroutine `call()` on the group's event loop and wait for it: for a
+        worker thread (on the loop itself it would deadlock, so it refuses)."""
         loop = self._loop
         if loop is None:
             raise RuntimeError("TrainerGroup: not started on an event loop")
@@ -255,14 +303,21 @@ class TrainerGroup:
             running = None
         if running is loop:
             raise RuntimeError(f"TrainerGroup.{what} blocks: call it from a worker thread")
-        return asyncio.run_coroutine_threadsafe(self._all(what, refs), loop).result()
+        return asyncio.run_coroutine_threadsafe(call(), loop).result()
 
-    def save(self, path: str) -> None:
-        """Every rank writes its shard of `path` (DCP; a shared filesystem across nodes)."""
-        self._blocking("save", [h.save.remote(path) for h in self.handles])
+    def _blocking(self, what: str, refs: list[Any]) -> list:
+        """`_all` from a worker thread: the refs are awaited on the group's event loop."""
+        return self._block_on(what, lambda: self._all(what, refs))
 
-    def load(self, path: str) -> None:
-        self._blocking("load", [h.load.remote(path) for h in self.handles])
+    def save(self, path: str, role: str = "actor") -> None:
+        """Every rank writes its shard of `role`'s engine to `path` (DCP; a shared
+        filesystem across nodes)."""
+        what = "save" if role == "actor" else f"save ({role})"
+        self._blocking(what, [h.save.remote(path, role) for h in self.handles])
+
+    def load(self, path: str, role: str = "actor") -> None:
+        what = "load" if role == "actor" else f"load ({role})"
+        self._blocking(what, [h.load.remote(path, role) for h in self.handles])
 
     # ---- teardown ------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -3,7 +3,8 @@
 A pool is N bundles of the same shape, packed onto as few nodes as possible (Ray's PACK
 strategy): the trainer pool has one bundle per data-parallel rank, the rollout pool one
 per replica (its tensor-parallel devices together, since a replica's engine is one
-process tree on one node), and a recipe may declare named pools of its own (teachers,
+process tree on one node), a critic or reference model in a worker group of its own has
+a pool named after its role, and a recipe may declare named pools of its own (teachers,
 judges). On CPU a bundle is CPUs; on an accelerator it is devices plus CPUs.
 
 Before anything is reserved, `check_fit` packs every pool's bundles onto the nodes the
@@ -70,8 +71,11 @@ def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
     of one device + `runtime.trainer_num_cpus` CPUs (+ `runtime.rollout_num_cpus` for the
     rank's hybrid replica with `trainer.validate_on_trainer_devices`), and one bundle per rollout replica
     (`rollout.tensor_parallel_size` devices + `runtime.rollout_num_cpus` CPUs), each with
-    the pool's extra Ray resources. `trainer=False`: the trainer runs in the driver and
-    reserves nothing."""
+    the pool's extra Ray resources; then, for a critic / reference model in a worker group
+    of its own (`critic.placement=separate`), a pool named after its role ("critic",
+    "reference") of `critic.devices` / `ref.devices` bundles shaped as the trainer's
+    (one device + `runtime.trainer_num_cpus` CPUs). `trainer=False`: the trainer runs in
+    the driver and reserves nothing."""
     r, rt, tp = cfg.resources, cfg.runtime, cfg.rollout.tensor_parallel_size
     out = []
     if trainer:
@@ -82,6 +86,11 @@ def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
         out.append(PoolSpec("trainer", r.trainer_devices, shape))
     shape = _bundle(r.device, tp, rt.rollout_num_cpus, rt.rollout_resources)
     out.append(PoolSpec("rollout", r.rollout_devices // tp, shape))
+    from offbeat.core.config.support import separate_groups
+
+    for role, devices in separate_groups(cfg).items():  # "critic", "reference"
+        shape = _bundle(r.device, 1, rt.trainer_num_cpus, rt.trainer_resources)
+        out.append(PoolSpec(role, devices, shape))
     return out
 
 

@@ -1,13 +1,15 @@
 """One data-parallel trainer rank, as it runs inside its Ray actor.
 
-A `TrainerRank` builds the policy's train engine from the `TRAIN_ENGINES` registry
-(`actor.engine`, so any registered engine joins the same group), after joining the
-torch.distributed group that rank 0 published (env:// variables). It runs what the
-driver's `TrainerGroup` fans out: updates and log-probs on its shard of a batch, sharded
-save/load, and its part of a weight sync, where rank 0 is the checkpoint engine's
-sender and every rank takes part in each parameter's gather (nothing goes through the
-driver). Knows nothing about the other ranks beyond the rendezvous address, nor about
-the replicas it sends to.
+A `TrainerRank` joins the torch.distributed group that rank 0 published (env://
+variables), then builds the engines of its roles: the policy's train engine from the
+`TRAIN_ENGINES` registry (`actor.engine`, so any registered engine joins the same
+group), the critic (`build_critic_engine`, `critic.engine`) and the frozen reference
+policy (`build_reference_engine`), each sharded over the same ranks. It runs what the
+driver's `TrainerGroup` fans out: updates, log-probs and values on its shard of a batch,
+sharded save/load, and its part of a weight sync, where rank 0 is the checkpoint
+engine's sender and every rank takes part in each parameter's gather (nothing goes
+through the driver). Knows nothing about the other ranks beyond the rendezvous address,
+nor about the replicas it sends to.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["TrainerRank"]
+__all__ = ["ROLES", "TrainerRank"]
+
+# What a rank may build: the policy (the engine the training loop drives and syncs), the
+# critic (value model) and the reference policy.
+ROLES = ("actor", "critic", "reference")
 
 
 def _free_port(host: str) -> int:
@@ -31,7 +37,9 @@ class TrainerRank:
 
     def __init__(self, rank: int, world: int, cpus: list[int] | None = None) -> None:
         self.rank, self.world = rank, world
-        self.engine: Any = None
+        self.engine: Any = None  # the actor's
+        self.critic: Any = None
+        self.reference: Any = None
         # Rank 0: the checkpoint-engine backends, kept across syncs, and the open senders,
         # by slot (one per manager: the rollout replicas', the hybrid replicas').
         self._backends: dict[str, Any] = {}
@@ -49,12 +57,26 @@ class TrainerRank:
         host = ray.util.get_node_ip_address()
         return host, _free_port(host)
 
-    def build(self, job: Any, master: tuple[str, int], seed: int, threads: int) -> dict:
-        """Join the process group at `master` and build `job`'s actor engine."""
+    def build(
+        self,
+        job: Any,
+        master: tuple[str, int],
+        seed: int,
+        threads: int,
+        roles: tuple[str, ...] = ("actor",),
+    ) -> dict:
+        """Join the process group at `master` and build `job`'s engines of `roles` (in
+        `ROLES` order, so the RNG draws are the same on every rank). With the reference
+        it returns its weights' fingerprint (rank 0's; computed here, where the weights
+        are, so the driver never needs them)."""
         import torch
 
         from offbeat.core.registry import TRAIN_ENGINES
+        from offbeat.core.train import build_critic_engine, build_reference_engine
 
+        unknown = [r for r in roles if r not in ROLES]
+        if unknown or not roles:
+            raise ValueError(f"trainer rank roles {list(roles)}: each one of {list(ROLES)}")
         os.environ.update(
             {
                 "MASTER_ADDR": master[0],
@@ -67,8 +89,34 @@ class TrainerRank:
         )
         torch.manual_seed(seed)
         torch.set_num_threads(threads)
-        self.engine = TRAIN_ENGINES.get(job.actor.engine).from_job_config(job)
-        return {"rank": self.engine.dp_rank, "size": self.engine.dp_size, "pid": os.getpid()}
+        out: dict[str, Any] = {"pid": os.getpid()}
+        if "actor" in roles:
+            self.engine = TRAIN_ENGINES.get(job.actor.engine).from_job_config(job)
+        if "critic" in roles:
+            self.critic = build_critic_engine(job)
+        if "reference" in roles:
+            self.reference = build_reference_engine(job)
+            out["reference_fingerprint"] = self._fingerprint(self.reference)
+        first = next(e for e in (self.engine, self.critic, self.reference) if e is not None)
+        out.update(rank=first.dp_rank, size=first.dp_size)
+        return out
+
+    def _fingerprint(self, engine: Any) -> list[float]:
+        """Every rank takes part in the gather; rank 0 (which gets the full tensors with
+        `gather_weights`) holds the fingerprint."""
+        from offbeat.core.trainer.reference import weights_fingerprint
+
+        gather = getattr(engine, "gather_weights", None)
+        return weights_fingerprint(gather(0) if gather is not None else engine.export_weights())
+
+    def _role(self, role: str) -> Any:
+        engine = {"actor": self.engine, "critic": self.critic, "reference": self.reference}[role]
+        if engine is None:
+            raise RuntimeError(f"{self!r} has no {role} engine (built: {self._built()})")
+        return engine
+
+    def _built(self) -> list[str]:
+        return [r for r in ROLES if getattr(self, "engine" if r == "actor" else r) is not None]
 
     def node_id(self) -> str:
         import ray
@@ -88,11 +136,21 @@ class TrainerRank:
     def global_update_count(self) -> int:
         return int(self.engine.global_update_count)
 
-    def save(self, path: str) -> None:
-        self.engine.save(path)
+    def save(self, path: str, role: str = "actor") -> None:
+        self._role(role).save(path)
 
-    def load(self, path: str) -> None:
-        self.engine.load(path)
+    def load(self, path: str, role: str = "actor") -> None:
+        self._role(role).load(path)
+
+    # ---- the critic and the reference policy -----------------------------------------------
+    def compute_values(self, shard: dict) -> Any:
+        return self._role("critic").compute_values(shard)
+
+    def update_critic(self, shard: dict) -> dict[str, float]:
+        return self._role("critic").update(shard)
+
+    def ref_log_probs(self, shard: dict, temperature: float | None = None) -> Any:
+        return self._role("reference").compute_log_probs(shard, temperature)
 
     # ---- weight sync ---------------------------------------------------------------------
     def open_sender(

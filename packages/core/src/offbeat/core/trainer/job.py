@@ -594,9 +594,12 @@ async def run_with_replicas(
             else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
         )
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
-        # The critic and the reference model, when the algorithm needs them, in this process
-        # beside the actor (critic.placement=actor, ref.placement=actor).
-        critic_ref = CriticAndReference.from_job(cfg)
+        # The critic and the reference model, when the algorithm needs them, beside the
+        # actor (critic.placement=actor, ref.placement=actor): on the trainer group's ranks
+        # (the side carries their engines), or built here with a trainer in this process.
+        critic_ref = CriticAndReference.from_job(
+            cfg, critic_engine=side.critic_engine, reference_engine=side.reference_engine
+        )
         tracer = make_tracer(cfg.trainer, run_dir)
         hybrid = None
         if hybrids:

@@ -6,9 +6,11 @@ actor's updates, and after them:
     the reward (controller stepped) -> values (critic) -> advantages (GAE, or the
     outcome estimator on the penalised rewards) -> actor update(s) -> critic update(s)
 
-Both models live where the actor does (today: the trainer process; a separate worker
-group needs the distributed trainer). Knows nothing about rollout, the buffer or weight
-sync; the blocking engine calls run in worker threads.
+Both models live where the actor does: in the trainer process beside it, or on the ranks
+of the trainer's worker group (`critic.placement=actor`, `ref.placement=actor`), where
+their engines are the group's proxies (`offbeat.core.runtime.GroupCriticEngine`,
+`GroupReferenceEngine`). Knows nothing about rollout, the buffer or weight sync; the
+blocking engine calls run in worker threads.
 """
 
 from __future__ import annotations

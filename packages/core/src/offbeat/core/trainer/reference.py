@@ -4,8 +4,10 @@ gives every batch its ``ref_log_probs``, and the KL to it, as the actor's loss t
 (`algorithm.use_kl_in_reward`, with a fixed or adaptive coefficient).
 
 Knows nothing about the engine behind it beyond `compute_log_probs` and
-`export_weights` (built through the train-engine registry: `build_reference_engine`), nor
-about advantages. Its checkpoint state is the KL controller's coefficient and a
+`export_weights`, or `weights_fingerprint()` when the engine offers it (a worker group's
+reference, whose weights stay on its ranks: `offbeat.core.runtime.GroupReferenceEngine`);
+it is built through the train-engine registry (`build_reference_engine`). Nothing about
+advantages. Its checkpoint state is the KL controller's coefficient and a
 fingerprint of the reference weights: the weights themselves are model.path's, rebuilt on
 resume, and the fingerprint proves that they are the same ones.
 """
@@ -99,7 +101,12 @@ class Reference:
     @property
     def fingerprint(self) -> list[float]:
         if self._fingerprint is None:
-            self._fingerprint = weights_fingerprint(self.engine.export_weights())
+            own = getattr(self.engine, "weights_fingerprint", None)
+            self._fingerprint = (
+                list(own())
+                if own is not None
+                else weights_fingerprint(self.engine.export_weights())
+            )
         return self._fingerprint
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
