@@ -97,6 +97,9 @@ def world(tmp_path_factory):
 
 
 def run(world, name: str, *extra: str):
+    """`name`'s run on the shared replica. A later run starts from the base model while the
+    replica still serves the earlier run's last weights until the first sync: its first
+    batches are sampled by those (their KL to the reference is above 0 at once)."""
     tmp, prepared, servers = world
     _, cfg = load_recipe_config("separate_async", overrides(tmp, name, *extra))
     cfg = dataclasses.replace(cfg, model=prepared.cfg.model)  # the model the replica serves
