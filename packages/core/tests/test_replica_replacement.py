@@ -113,6 +113,28 @@ async def test_a_sync_waits_for_the_replacement_of_the_only_replica(sleeps):
     assert starts.started["s0-r1"].weight_version == 1
 
 
+async def test_a_replica_removed_during_a_sync_with_its_replacement_ready_is_not_the_end(sleeps):
+    """A health check removes the only replica while a sync to it runs, and the
+    replacement is started (waiting to join) before the sync returns: the sync must not
+    raise NoReplicasLeft, and the next sync brings the replacement in."""
+    starts = Starts()
+    _, balancer, pool = make_pool(starts)
+    real_sync = pool.manager.sync
+
+    async def sync_while_removed(named_tensors, version, targets):
+        await pool.remove_dead({"s0": "health check: dead"})
+        await asyncio.gather(*pool.replacing.values())  # the replacement is started
+        assert "s0-r1" in pool.joining and not pool.servers
+        return await real_sync(named_tensors, version, targets=targets)
+
+    pool.manager.sync = sync_while_removed
+    result = await pool.sync(weights, 1)
+    assert result.succeeded == ["s0"] and pool.server_ids == [] and "s0-r1" in pool.joining
+    pool.manager.sync = real_sync
+    result = await pool.sync(weights, 2)
+    assert result.succeeded == ["s0-r1"] and balancer.servers() == ["s0-r1"]
+
+
 async def test_zero_attempts_only_removes(sleeps):
     starts = Starts()
     s0, _, pool = make_pool(starts, attempts=0)

@@ -228,7 +228,9 @@ class ReplicaPool:
             await self._add(self._joined(result, joiners))
             if failed:
                 await self._remove(list(failed), failed)
-            if not self.servers and not self.replacing:
+            # A replica removed while this sync ran (a health check) may already have a
+            # replacement waiting to join: that is not "no replicas left".
+            if not self.servers and not self.replacing and not self.joining:
                 raise NoReplicasLeft(
                     f"every replica failed the sync to version {version}: {result.failed}"
                 )
