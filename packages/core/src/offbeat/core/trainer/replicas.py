@@ -7,8 +7,9 @@ the job gives). A replica that dies, stops answering, or fails a weight sync is 
 from the balancer, so new and resumed requests go elsewhere; with a `Replacement`, a new
 replica is started in its place (bounded attempts, doubling backoff) and joins the
 balancer only once it holds the trainer's weight version: at the next weight sync, or
-earlier through `admit` while the trainer waits for a batch (its weights are then the
-version it last synced).
+earlier through `admit` while the trainer waits (for a batch, or for a validation) with
+its weights still the version it last synced. A sync that loses every replica waits for
+the replacement and brings it to the version, so no sync returns with nothing to serve.
 
 Guests are replicas the pool does not sync, only watches while they are in the balancer
 (hybrid replicas during validation, `offbeat.core.trainer.hybrid`): a dead guest is
@@ -48,6 +49,23 @@ class Replacement:
     start: Callable[[str, str, Any], Awaitable[Any]]
     attempts: int = 3
     backoff_s: float = 5.0
+
+
+def _merged(a: SyncResult, b: SyncResult) -> SyncResult:
+    """Two syncs to one version as one result (phase times and bytes add up)."""
+    phase_s = dict(a.phase_s)
+    for k, v in b.phase_s.items():
+        phase_s[k] = phase_s.get(k, 0.0) + v
+    return SyncResult(
+        a.version,
+        succeeded=[*a.succeeded, *(i for i in b.succeeded if i not in a.succeeded)],
+        failed={**a.failed, **b.failed},
+        phase_s=phase_s,
+        phase_spans={**b.phase_spans, **a.phase_spans},
+        replica_spans={**a.replica_spans, **b.replica_spans},
+        bytes=a.bytes + b.bytes,
+        buckets=a.buckets + b.buckets,
+    )
 
 
 def _base_id(server_id: str) -> str:
@@ -187,18 +205,27 @@ class ReplicaPool:
         """Bring the replacements waiting to join to weight `version` (the trainer's weights
         must be that version now) and add them to the balancer; returns their ids."""
         async with self._lock:
-            joiners, self.joining = self.joining, {}
-            if not joiners:
-                return []
-            stale = {i: s for i, s in joiners.items() if s.weight_version != version}
-            joined = {i: s for i, s in joiners.items() if i not in stale}
-            if stale:
-                result = await self.manager.sync(named_tensors, version, targets=stale)
-                joined.update(self._joined(result, stale))
-                for i, why in result.failed.items():
-                    self._failed_to_join(i, stale[i], why)
-            await self._add(joined)
-            return list(joined)
+            result = await self._admit(named_tensors, version)
+            return [] if result is None else list(result.succeeded)
+
+    async def _admit(
+        self, named_tensors: Callable[[], Iterable], version: int
+    ) -> SyncResult | None:
+        """`admit` under the lock: the SyncResult of the joiners (None: nobody waited)."""
+        joiners, self.joining = self.joining, {}
+        if not joiners:
+            return None
+        stale = {i: s for i, s in joiners.items() if s.weight_version != version}
+        joined = {i: s for i, s in joiners.items() if i not in stale}
+        result = SyncResult(version, succeeded=list(joined))
+        if stale:
+            synced = await self.manager.sync(named_tensors, version, targets=stale)
+            result = _merged(result, synced)
+            joined.update(self._joined(synced, stale))
+            for i, why in synced.failed.items():
+                self._failed_to_join(i, stale[i], why)
+        await self._add(joined)
+        return result
 
     # ---- weight sync ---------------------------------------------------------------------
     async def sync(self, named_tensors: Callable[[], Iterable], version: int) -> SyncResult:
@@ -228,12 +255,22 @@ class ReplicaPool:
             await self._add(self._joined(result, joiners))
             if failed:
                 await self._remove(list(failed), failed)
-            # A replica removed while this sync ran (a health check) may already have a
-            # replacement waiting to join: that is not "no replicas left".
-            if not self.servers and not self.replacing and not self.joining:
+            # Every replica was lost in this sync (it failed it, or a health check removed
+            # it meanwhile) but a replacement is on its way: wait for it and bring it to
+            # `version` now. Otherwise the trainer goes on with no replica at all, and what
+            # it awaits next (this version's validation, a batch already complete) waits
+            # for a replica that only a later sync would admit: a deadlock.
+            while not self.servers and (self.replacing or self.joining):
+                await self._wait_for_replacement()
+                more = await self._admit(named_tensors, version)
+                if more is not None:
+                    result = _merged(result, more)
+            if not self.servers:
                 raise NoReplicasLeft(
-                    f"every replica failed the sync to version {version}: {result.failed}"
+                    f"every replica failed the sync to version {version}: {result.failed}; "
+                    f"replacements given up: {self.gave_up}"
                 )
+            self.last_sync = result
             return result
 
     # ---- guests (hybrid replicas while they serve) ---------------------------------------

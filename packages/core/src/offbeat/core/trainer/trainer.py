@@ -23,6 +23,7 @@ Step hooks see each trained batch and may add metrics (rollout record and replay
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import resource
@@ -187,6 +188,8 @@ class Trainer:
         self.evicted_uids: list[str] = []
         self.val_history: list[tuple[int, float]] = []
         self._val_task: asyncio.Task | None = None
+        self._val_version = 0  # the version the validation under way measures
+        self.val_abandoned: list[tuple[int, str]] = []  # (version, why)
         self.sync_results: list[Any] = []
         self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
         # After each step, `hook.after_step(step, groups, batch, metrics)` (it may add
@@ -244,12 +247,37 @@ class Trainer:
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
     # ---- validation ----------------------------------------------------------------------
-    async def _finish_validation(self) -> None:
+    async def _finish_validation(self, *, weights_at_version: bool = True) -> None:
+        """Wait for the validation under way. `weights_at_version`: the trainer's weights
+        are still `self.version` (no update since the last sync), so a replacement waiting
+        to join is admitted meanwhile; a validation whose every replica died waits for it.
+        After an update they cannot be: a validation left without any replica while a
+        replacement waits is abandoned (its version's weights are gone), never awaited
+        forever."""
         if self._val_task is None:
             return
         task, self._val_task = self._val_task, None
         with trace.span("validation_wait"):
-            version, metrics = await task
+            while not task.done():
+                await asyncio.wait([task], timeout=1.0)
+                if task.done() or not self.pool.joining:
+                    continue
+                if weights_at_version:
+                    await self.pool.admit(self.engine.export_weights, self.version)
+                elif not self.pool.servers and not self.pool.guests:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    why = (
+                        "every replica serving it was lost after the trainer's weights moved "
+                        f"on; replicas removed: {self.pool.removed}"
+                    )
+                    self.val_abandoned.append((self._val_version, why))
+                    self.tracker.event(
+                        f"[validation] weight version {self._val_version} abandoned: {why}"
+                    )
+                    return
+            version, metrics = task.result()
         self.val_history.append((version, metrics["val/reward"]))
         self.tracker.log(version, metrics, advance=False)
         self.tracker.event(
@@ -266,6 +294,7 @@ class Trainer:
             return version, await self.validator.run(tag=f"v{version}")
 
         self._val_task = asyncio.create_task(run(), name=f"validation-v{version}")
+        self._val_version = version
 
     async def _validate(self) -> None:
         """Validate the current version: on the hybrid replicas too when there are any
@@ -288,6 +317,7 @@ class Trainer:
             return version, {**metrics, **cycle}
 
         self._val_task = asyncio.create_task(run(), name=f"validation-cycle-v{version}")
+        self._val_version = version
         await self._finish_validation()
 
     # ---- the loop ------------------------------------------------------------------------
@@ -338,6 +368,7 @@ class Trainer:
             "version": self.version,
             "counts": self.buffer.core.counts(),
             "val_history": self.val_history,
+            "val_abandoned": self.val_abandoned,
         }
 
     def _progress(self) -> tuple[int, int]:
@@ -399,6 +430,10 @@ class Trainer:
         self.trained_uids += [g.uid for g in groups]
         self.evicted_uids += [g.uid for g in evicted]
 
+        if self._val_task is not None and not self.pool.servers and not self.pool.guests:
+            # The validation under way lost every replica: only a replacement can finish
+            # it, and one is admitted at this version only while the weights still are.
+            await self._finish_validation()
         batch, data = await asyncio.to_thread(build_train_batch, groups, s)
         t0 = time.perf_counter()
         if s.old_log_prob_source == "trainer":
@@ -428,7 +463,7 @@ class Trainer:
             )
 
         # The last validation must see only its own version: finish it before syncing.
-        await self._finish_validation()
+        await self._finish_validation(weights_at_version=False)
         t0 = time.perf_counter()
         version = self.version_offset + step
         with trace.span("sync", version=version):
