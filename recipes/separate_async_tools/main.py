@@ -33,7 +33,9 @@ class ToolsRunConfig(RunConfig):
     """RunConfig plus the warm start on tool-use traces (`warm_start` itself, which
     imitates bare answers, stays off)."""
 
-    tool_warm_start: WarmStartConfig = field(default_factory=lambda: WarmStartConfig(steps=300))
+    tool_warm_start: WarmStartConfig = field(
+        default_factory=lambda: WarmStartConfig(steps=500, lr=1e-3)
+    )
 
 
 CONFIG = ToolsRunConfig
