@@ -182,7 +182,9 @@ async def test_a_run_that_loses_its_only_replica_is_replaced_and_keeps_its_accou
     new = starts.started["s0-r1"]
     assert new.weight_version == 4 and new.outputs  # it served, at the trainer's versions
     first = min(o.weight_version for o in new.outputs)
-    assert first >= 2  # it joined at a version the trainer held, never at 0
+    # It joined at a version the trainer held when it joined, never at 0: 1 when it was
+    # admitted while step 2 waited for its batch (the weights still version 1), else later.
+    assert first >= 1
     check_accounting(h)
     rows = h.train_rows()
     assert rows[-1]["replicas/replaced_total"] == 1.0 and rows[-1]["replicas/standalone"] == 1.0
