@@ -126,6 +126,7 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
     from offbeat.core.distill.build import build_teacher, write_mixed_task_files
     from offbeat.core.distill.report import plot_opd
     from offbeat.core.distill.validation import PerTaskValidator
+    from offbeat.core.runtime.launch import start_pools
     from offbeat.core.tasks import read_parquet
     from offbeat.core.trainer.job import (
         JobHooks,
@@ -155,7 +156,8 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
             build_teacher, t, cache, prompt_key=cfg.data.prompt_key
         )
     p = await asyncio.to_thread(prepare, cfg)
-    servers = start_replicas(p)
+    pools = await start_pools(p.cfg)
+    servers = start_replicas(p, pools)
     teacher_servers = start_teachers(p.cfg, d, teacher_dirs)
     everything = {**servers, **{k: v for s in teacher_servers.values() for k, v in s.items()}}
     try:
@@ -181,13 +183,14 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
             batch_hook=make_batch_hook(d, router, pool, settings),
             make_validator=make_validator,
         )
-        summary = await run_with_replicas(p, servers, version_offset=0, hooks=hooks)
+        summary = await run_with_replicas(p, servers, version_offset=0, pools=pools, hooks=hooks)
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
         summary["teacher_val"] = await _evaluate_teachers(agents[0], pool, val_rows, d)
         summary["student_val"] = validators[0].history
         summary["routed"] = dict(router.counts)
     finally:
         await shutdown_replicas(everything)
+        pools.remove()
     history = summary["trainer"].tracker.history
     tasks = {
         k.split("/")[1] for r in history for k in r if k.startswith("val/") and k.count("/") == 2
