@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--arms", default="sft,k1,k1-centred")
+    ap.add_argument("--warm-steps", type=int, default=None, help="default: the recipe's")
+    ap.add_argument("--warm-lr", type=float, default=None, help="default: the recipe's")
+    ap.add_argument("--clip", type=float, default=5.0, help="k1-clip: advantages >= -clip")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -50,7 +53,12 @@ def main() -> None:
     from offbeat.core.trainer.job import resolve_model
     from offbeat.core.trainer.warm_start import warm_start
 
-    _, cfg = load_recipe_config("opd", [])
+    overrides = [
+        f"warm_start.{k}={v}"
+        for k, v in (("steps", args.warm_steps), ("lr", args.warm_lr))
+        if v is not None
+    ]
+    _, cfg = load_recipe_config("opd", overrides)
     d = cfg.distillation
     cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
     train_f, val_f = write_mixed_task_files(list(d.tasks), cache / "tasks")
@@ -131,10 +139,18 @@ def main() -> None:
             m = rmask.float()
             with torch.no_grad():
                 t_lp = torch.zeros(m.shape)
+                t_full = None
                 for name, teacher in teachers.items():
                     sel = torch.tensor([r[d.teacher_key] == name for r in rows])
                     if sel.any():
                         t_lp[sel] = token_lp(teacher, ids[sel], mask[sel], width)
+                        if arm == "exact":
+                            full = torch.log_softmax(
+                                logits(teacher, ids[sel], mask[sel])[:, -(width + 1) : -1], -1
+                            )
+                            if t_full is None:
+                                t_full = torch.zeros((len(rows), width, full.shape[-1]))
+                            t_full[sel] = full
             student.train()
             if arm == "sft":
                 answers = [
@@ -148,11 +164,23 @@ def main() -> None:
                     am[i, -len(a) :] = 1
                 loss = -(lp * am).sum() / am.sum()
                 s_lp = token_lp(student, ids, mask, width).detach()
+            elif arm == "exact":  # full-vocabulary reverse KL at the sampled prefixes
+                full = torch.log_softmax(logits(student, ids, mask)[:, -(width + 1) : -1], -1)
+                kl = (full.exp() * (full - t_full)).sum(-1)
+                loss = (kl * m).sum() / m.sum()
+                s_lp = full.gather(-1, ids[:, -width:, None])[..., 0].detach()
             else:
                 s_lp = token_lp(student, ids, mask, width)
                 adv = -(s_lp.detach() - t_lp) * m
                 if arm == "k1-centred":
                     adv = (adv - adv.sum() / m.sum()) * m
+                elif arm == "k1-clip":
+                    adv = adv.clamp(min=-args.clip) * m
+                elif arm == "k1-clip-centred":
+                    adv = adv.clamp(-args.clip, args.clip) * m
+                    adv = (adv - adv.sum() / m.sum()) * m
+                elif arm == "prob":  # bounded: teacher prob - student prob of the token
+                    adv = (t_lp.exp() - s_lp.detach().exp()) * m
                 loss = -(adv * s_lp * m).sum() / m.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()

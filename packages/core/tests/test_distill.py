@@ -13,6 +13,7 @@ import torch
 from offbeat.core.config.validation import Problems
 from offbeat.core.data import Trajectory
 from offbeat.core.distill import (
+    ADVANTAGES,
     TEACHER_ID,
     TEACHER_LOG_PROBS,
     DistillationConfig,
@@ -52,6 +53,22 @@ def test_advantage_rejects_any_shape_mismatch():
         opd_advantages(lp, lp, torch.ones(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="shapes differ"):
         opd_advantages(lp, torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.long))
+
+
+def test_centred_advantage_subtracts_the_token_mean_over_the_batch_and_keeps_padding_zero():
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -0.5], [-2.1, -1.0, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    teacher[1, 1] -= 0.5
+    k1, centred = (opd_advantages(student, teacher, mask, mode=m) for m in ADVANTAGES)
+    # k1 on the five response tokens: 0.5, -0.5, 0, -2, 1.5 -> mean -0.1 (the padding's
+    # -9 is left out of the mean and stays 0).
+    assert float(k1.sum() / mask.sum()) == pytest.approx(-0.1)
+    assert centred[mask.bool()].tolist() == pytest.approx((k1[mask.bool()] + 0.1).tolist())
+    assert float(centred.sum()) == pytest.approx(0.0, abs=1e-6)
+    assert centred[1, 2] == 0.0
+    with pytest.raises(ValueError, match="expected one of"):
+        opd_advantages(student, teacher, mask, mode="k2")
 
 
 def test_kl_coef_scales_and_reward_weight_adds_the_grpo_advantage():
@@ -193,6 +210,16 @@ def test_every_dataset_key_needs_a_teacher_unless_there_is_a_default():
     assert problems(cfg) == {}
     cfg.distillation.default_teacher = "nope"
     assert "distillation.default_teacher" in problems(cfg)
+
+
+def test_an_unknown_advantage_mode_is_rejected_naming_the_choices():
+    tiny = TeacherConfig(model="offbeat-tiny:tiny")
+    cfg = opd_config(math=tiny, char_match=tiny)
+    cfg.distillation.advantage = "k1_centred"
+    assert problems(cfg) == {}
+    cfg.distillation.advantage = "k3"
+    found = problems(cfg)["distillation.advantage"]
+    assert "'k3'" in found and "k1_centred" in found
 
 
 def test_parquet_keys_are_read_for_the_routing_check(tmp_path):

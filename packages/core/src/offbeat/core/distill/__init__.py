@@ -7,6 +7,7 @@ per-task validation, and the job runner.
 """
 
 from offbeat.core.distill.advantages import (
+    ADVANTAGES,
     TEACHER_ID,
     TEACHER_LOG_PROBS,
     opd_advantages,
@@ -16,6 +17,7 @@ from offbeat.core.distill.config import DistillationConfig, TeacherConfig, Teach
 from offbeat.core.distill.teachers import TeacherPool, TeacherRouter, TeacherScoringError
 
 __all__ = [
+    "ADVANTAGES",
     "TEACHER_ID",
     "TEACHER_LOG_PROBS",
     "DistillationConfig",

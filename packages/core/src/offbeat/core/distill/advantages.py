@@ -16,7 +16,17 @@ import torch
 
 from offbeat.core.algorithms.advantages import grpo_advantages
 
-__all__ = ["TEACHER_ID", "TEACHER_LOG_PROBS", "opd_advantages", "reverse_kl_by_teacher"]
+__all__ = [
+    "ADVANTAGES",
+    "TEACHER_ID",
+    "TEACHER_LOG_PROBS",
+    "opd_advantages",
+    "reverse_kl_by_teacher",
+]
+
+# "k1": the published recipe. "k1_centred": k1 minus its token mean over the batch (a
+# constant baseline: the same expected gradient, much less variance far from the teacher).
+ADVANTAGES = ("k1", "k1_centred")
 
 # Trajectory extras the distillation agent loop writes and the trainer hook reads.
 TEACHER_LOG_PROBS = "teacher_log_probs"
@@ -33,10 +43,14 @@ def opd_advantages(
     group_uids: Sequence[Hashable] | None = None,
     reward_weight: float = 0.0,
     norm_by_std: bool = True,
+    mode: str = "k1",
 ) -> torch.Tensor:
-    """[B, R] advantages: `-kl_coef * (log pi_s - log pi_t)` on each response token,
-    plus `reward_weight` x the GRPO advantage of `rewards` when that weight is > 0;
-    zero on padding."""
+    """[B, R] advantages: `-kl_coef * (log pi_s - log pi_t)` on each response token
+    (`mode="k1_centred"`: minus its mean over the batch's response tokens), plus
+    `reward_weight` x the GRPO advantage of `rewards` when that weight is > 0; zero on
+    padding."""
+    if mode not in ADVANTAGES:
+        raise ValueError(f"mode={mode!r}: expected one of {ADVANTAGES}")
     if not student_log_probs.shape == teacher_log_probs.shape == response_mask.shape:
         raise ValueError(
             f"shapes differ: student {tuple(student_log_probs.shape)}, teacher "
@@ -44,6 +58,8 @@ def opd_advantages(
         )
     mask = response_mask.to(torch.float32)
     adv = -kl_coef * (student_log_probs.float() - teacher_log_probs.float()) * mask
+    if mode == "k1_centred" and mask.sum() > 0:
+        adv = (adv - adv.sum() / mask.sum()) * mask
     if reward_weight > 0:
         if rewards is None or group_uids is None:
             raise ValueError("reward_weight > 0 needs rewards and group_uids")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from offbeat.core.config.validation import Problems, check
+from offbeat.core.distill.advantages import ADVANTAGES
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 
 __all__ = ["DistillationConfig", "TeacherConfig", "TeacherSFTConfig", "route_keys"]
@@ -56,6 +57,10 @@ class DistillationConfig:
     default_teacher: str = ""
     # Advantage = -(log pi_student - log pi_teacher) per token (verl's k1, no discount,
     # no group baseline) + reward_weight x the task reward's GRPO advantage.
+    # `advantage`: "k1" (the published recipe) or "k1_centred" (minus its token mean over
+    # the step's batch: a constant baseline, the same gradient in expectation, far less
+    # variance when the student is many nats per token from its teacher).
+    advantage: str = "k1"
     kl_coef: float = 1.0
     reward_weight: float = 0.0
     max_retries: int = 2  # per trajectory; then its group fails (never the run)
@@ -149,6 +154,7 @@ def _distillation_rules(cfg: Any, p: Problems) -> None:
                 f"{sv[0]}{'' if tv[0] != sv[0] else ', different tokens'})",
             )
     p.require_int("distillation.max_retries", d.max_retries, minimum=0)
+    p.require_choice("distillation.advantage", d.advantage, ADVANTAGES)
     if d.kl_coef < 0 or d.reward_weight < 0:
         p.add("distillation.kl_coef/reward_weight", (d.kl_coef, d.reward_weight), "numbers >= 0")
     keys = route_keys(cfg)

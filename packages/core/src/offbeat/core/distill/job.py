@@ -88,7 +88,7 @@ def make_batch_hook(d: DistillationConfig, router: TeacherRouter, pool: TeacherP
         data["advantages"] = opd_advantages(
             data["rollout_log_probs"], teacher_lp, data["response_mask"], kl_coef=d.kl_coef,
             rewards=batch.rewards, group_uids=batch.group_uids, reward_weight=d.reward_weight,
-            norm_by_std=s.norm_adv_by_std_in_grpo,
+            norm_by_std=s.norm_adv_by_std_in_grpo, mode=d.advantage,
         )  # fmt: skip
         metrics = reverse_kl_by_teacher(
             data["rollout_log_probs"], teacher_lp, data["response_mask"],
