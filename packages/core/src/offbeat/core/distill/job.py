@@ -108,6 +108,7 @@ async def _evaluate_teachers(agent: Any, pool: TeacherPool, rows: list, d: Disti
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
 
+    agent = agent.loop() if hasattr(agent, "loop") else agent  # a router: its default loop
     out = {}
     for name, balancer in pool.balancers.items():
         client = PartialRolloutClient(
