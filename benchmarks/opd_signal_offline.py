@@ -6,7 +6,13 @@ what the same student learns from the same prompts when it is told the answers).
 Arms, each from the same warm-started student, same prompts per update, same AdamW:
 - `sft`: cross-entropy on the ground-truth answer (+ end of turn);
 - `k1`: the OPD loss, advantage -(log pi_s - log pi_t) per sampled token, token mean;
-- `k1-centred`: the same minus its token mean over the update's batch.
+- `k1-centred`: the same minus its token mean over the update's batch (the job's
+  `distillation.advantage=k1_centred`);
+- `k1-clip`: k1 clamped at `-clip`; `k1-clip-centred`: clamped to [-clip, clip], centred;
+- `prob`: a bounded advantage, p_teacher - p_student of the sampled token;
+- `exact`: the full-vocabulary reverse KL at the sampled prefixes (no engine gives the
+  job this; the ceiling of the per-token signal).
+`--warm-steps` / `--warm-lr` change the student's warm start (cached like the job's).
 Printed per arm every `--every` updates: reverse KL per task (token mean, on the
 update's samples), the share of sampled tokens the teacher gives < e^-16 ("garbage"),
 greedy validation reward per task, and /proc/loadavg.
