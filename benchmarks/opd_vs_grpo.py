@@ -38,6 +38,7 @@ def one_seed(seed: int, extra: list[str]) -> dict:
     import ray
 
     from offbeat.core.cli import load_recipe_config
+    from offbeat.core.cpus import machine_cpus, pin_process
     from offbeat.core.distill.build import write_mixed_task_files
     from offbeat.core.distill.job import run_opd
     from offbeat.core.trainer.job import run_job
@@ -50,6 +51,9 @@ def one_seed(seed: int, extra: list[str]) -> dict:
     finally:
         ray.shutdown()
     print(f"[seed {seed}] opd: {opd['total_wall_s']:.0f}s, loadavg after {loadavg()}", flush=True)
+    # The OPD job pinned this process to the trainer's cores; the next job's Ray (and its
+    # replicas) inherits this process's mask, so give it back every core first.
+    pin_process(machine_cpus())
     # GRPO: the same job without teachers, on the same mixed files.
     train, val = write_mixed_task_files(
         list(cfg.distillation.tasks), Path(opd["run_dir"]).parent / "tasks"

@@ -254,3 +254,23 @@ def test_a_teacher_with_another_vocabulary_is_rejected(tmp_path):
     )
     cfg.distillation.teachers["char_match"] = TeacherConfig(model="offbeat-tiny:tiny")
     assert "vocabulary of model.path" in problems(cfg)["distillation.teachers.char_match.model"]
+
+
+# ---- teacher pools ----------------------------------------------------------------------
+
+
+def test_each_teacher_gets_a_named_pool_with_a_bundle_per_replica():
+    from offbeat.core.distill.job import teacher_pool_specs
+
+    cfg = opd_config(
+        math=TeacherConfig(model="offbeat-tiny:tiny", replicas=2),
+        char_match=TeacherConfig(model="offbeat-tiny:tiny", tensor_parallel_size=2),
+    )
+    cfg.distillation.teacher_num_cpus = 0.5
+    cpu = {s.name: (s.bundles, dict(s.bundle)) for s in teacher_pool_specs(cfg, cfg.distillation)}
+    assert cpu == {"teacher-math": (2, {"CPU": 0.5}), "teacher-char_match": (1, {"CPU": 0.5})}
+    cfg.resources.device = "cuda"
+    cfg.runtime.rollout_resources = {"big_mem": 1}
+    gpu = {s.name: dict(s.bundle) for s in teacher_pool_specs(cfg, cfg.distillation)}
+    assert gpu["teacher-math"] == {"CPU": 0.5, "GPU": 1.0, "big_mem": 1.0}
+    assert gpu["teacher-char_match"] == {"CPU": 0.5, "GPU": 2.0, "big_mem": 1.0}

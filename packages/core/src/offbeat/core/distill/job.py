@@ -1,10 +1,9 @@
 """An on-policy distillation job: separate_async with teachers in their own pools.
 
-`run_opd(cfg)` builds the mixed dataset and the teachers (cached), starts the student's
-rollout replicas and every teacher's replicas from the same `rollout.engine` factory
-(a local pool, as separate_async starts its own; the teacher pools are a dict of servers,
-so moving them to named Ray pools changes `start_teachers` only), and runs the
-separate_async job with three hooks: the rollout's agent loop scores each finished group
+`run_opd(cfg)` builds the mixed dataset and the teachers (cached), reserves the job's
+resource pools plus one named pool per teacher (`teacher-<name>`: a bundle per replica),
+starts the student's rollout replicas and every teacher's replicas in their bundles from
+the same `rollout.engine` factory, and runs the separate_async job with three hooks: the rollout's agent loop scores each finished group
 on its teacher, the trainer's batch hook turns teacher log-probs into advantages, and
 validation reports reward per task. At the end each teacher is validated on every task.
 """
@@ -30,7 +29,15 @@ from offbeat.core.distill.config import DistillationConfig
 from offbeat.core.distill.teachers import TeacherPool, TeacherRouter
 from offbeat.core.trainer.job import RunConfig
 
-__all__ = ["OPDConfig", "make_batch_hook", "run_opd", "start_teachers", "teacher_job"]
+__all__ = [
+    "OPDConfig",
+    "make_batch_hook",
+    "run_opd",
+    "start_teachers",
+    "teacher_job",
+    "teacher_pool",
+    "teacher_pool_specs",
+]
 
 
 @dataclass
@@ -63,19 +70,43 @@ def teacher_job(cfg: RunConfig, d: DistillationConfig, name: str) -> RunConfig:
     )
 
 
+def teacher_pool(name: str) -> str:
+    """The named resource pool teacher `name`'s replicas run in."""
+    return f"teacher-{name}"
+
+
+def teacher_pool_specs(cfg: RunConfig, d: DistillationConfig) -> list[Any]:
+    """One named pool per teacher: a bundle per replica of `tensor_parallel_size` devices,
+    `distillation.teacher_num_cpus` CPUs and the rollout pool's extra Ray resources."""
+    from offbeat.core.runtime.pools import DEVICE_RESOURCES, PoolSpec
+
+    out = []
+    for name, t in d.teachers.items():
+        bundle = {"CPU": float(d.teacher_num_cpus)}
+        if cfg.resources.device in DEVICE_RESOURCES:
+            bundle[DEVICE_RESOURCES[cfg.resources.device]] = float(t.tensor_parallel_size)
+        bundle.update({k: float(v) for k, v in cfg.runtime.rollout_resources.items()})
+        out.append(PoolSpec(teacher_pool(name), t.replicas, {k: v for k, v in bundle.items() if v}))
+    return out
+
+
 def start_teachers(
-    cfg: RunConfig, d: DistillationConfig, model_dirs: dict[str, Path]
+    cfg: RunConfig, d: DistillationConfig, model_dirs: dict[str, Path], pools: Any = None
 ) -> dict[str, dict[str, Any]]:
-    """{teacher: {server_id: server}}: every teacher's replicas (not awaited)."""
+    """{teacher: {server_id: server}}: every teacher's replicas (not awaited), each in its
+    bundle of the teacher's named pool when `pools` has one."""
     from offbeat.core.registry import ROLLOUT_ENGINES
 
     factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     out: dict[str, dict[str, Any]] = {}
     for name, t in d.teachers.items():
         job = teacher_job(cfg, d, name)
-        out[name] = {
-            f"{name}-{i}": factory(job, str(model_dirs[name]), i) for i in range(t.replicas)
-        }
+        out[name] = {}
+        for i in range(t.replicas):
+            opts = {}
+            if pools is not None and teacher_pool(name) in pools.groups:
+                opts["scheduling_strategy"] = pools.strategy(teacher_pool(name), i)
+            out[name][f"{name}-{i}"] = factory(job, str(model_dirs[name]), i, **opts)
     return out
 
 
@@ -157,9 +188,9 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
             build_teacher, t, cache, prompt_key=cfg.data.prompt_key
         )
     p = await asyncio.to_thread(prepare, cfg)
-    pools = await start_pools(p.cfg)
+    pools = await start_pools(p.cfg, teacher_pool_specs(p.cfg, d))
     servers = start_replicas(p, pools)
-    teacher_servers = start_teachers(p.cfg, d, teacher_dirs)
+    teacher_servers = start_teachers(p.cfg, d, teacher_dirs, pools)
     everything = {**servers, **{k: v for s in teacher_servers.values() for k, v in s.items()}}
     try:
         await asyncio.gather(*(s.refresh() for t in teacher_servers.values() for s in t.values()))
