@@ -149,3 +149,55 @@ def test_validation_names_key_value_expected():
     ok = Problems()
     validate_genrm({}, ok)
     assert ok.items == []
+
+
+def test_registered_genrm_scores_from_a_worker_thread_with_rule_agreement():
+    import threading
+
+    from offbeat.core.rewards import RewardRegistry, genrm
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    fake = FakeJudge(lambda p: "Correct.\n\nScore: 10" if "Answer: 4" in p else "Wrong. 0")
+    judge = GenRMJudge(GenRMConfig(url="http://j"), post=fake)
+    genrm.install(judge, loop)
+    try:
+        reg = RewardRegistry(name="genrm")
+        assert reg.score("exact_match", "4", "4", {"question": "2+2?"}) == 1.0
+        assert reg.score("exact_match", "5", "4", {"question": "2+2?"}) == 0.0
+        assert "Question: 2+2?" in fake.calls[0][1]
+        assert judge.metrics()["genrm/agreement_with_rule"] == 1.0
+    finally:
+        genrm.install(None)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join()
+    with pytest.raises(RewardError, match="no judge installed"):
+        RewardRegistry(name="genrm").score("x", "4", "4")
+
+
+def test_aiohttp_transport_against_a_fake_judge_server():
+    from aiohttp import web
+
+    from offbeat.core.rewards.genrm import aiohttp_post
+
+    async def completions(request):
+        body = await request.json()
+        return web.json_response({"choices": [{"text": f"seen {len(body['prompt'])}. 7"}]})
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            judge = GenRMJudge(GenRMConfig(url=f"http://127.0.0.1:{port}"), post=aiohttp_post)
+            return await judge.score("q", "r"), judge.metrics()
+        finally:
+            await runner.cleanup()
+
+    score, m = run(go())
+    assert score == 0.7 and m["genrm/judgments"] == 1 and m["genrm/errors"] == 0

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offbeat.core.config.validation import Problems
-from offbeat.core.rewards.registry import RewardError
+from offbeat.core.registry import REWARD_FUNCTIONS
+from offbeat.core.rewards.registry import RewardError, call_reward_fn, register_reward
 
 Post = Callable[[str, dict, float], Awaitable[dict]]
 
@@ -211,3 +212,39 @@ class GenRMJudge:
         if self._agree:
             out["genrm/agreement_with_rule"] = sum(self._agree) / len(self._agree)
         return out
+
+
+# The registry's `genrm` scorer: sync, called from the agent loop's scoring worker thread;
+# it hands the call to the judge on the event loop that owns it (installed by `install`).
+_INSTALLED: dict[str, Any] = {}
+
+
+def install(judge: GenRMJudge | None, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Make `judge` (on `loop`, default the running one) the one `genrm` scores with."""
+    _INSTALLED.clear()
+    if judge is not None:
+        _INSTALLED.update(judge=judge, loop=loop or asyncio.get_running_loop())
+
+
+@register_reward("genrm")
+def genrm_reward(response: str, ground_truth: Any, **kw: Any) -> float:
+    """The installed judge's score of `response` to `extra_info["question"]`, with
+    `ground_truth` as the reference; the row's own rule reward (its data_source's scorer,
+    when registered) is passed along for the weights and the agreement metric."""
+    if not _INSTALLED:
+        raise RewardError(
+            "genrm: no judge installed (start judge replicas or set reward.genrm.url)"
+        )
+    judge, loop = _INSTALLED["judge"], _INSTALLED["loop"]
+    extra = dict(kw.get("extra_info") or {})
+    source = str(kw.get("data_source", ""))
+    rule = None
+    if source and source != "genrm" and source in REWARD_FUNCTIONS:
+        try:
+            rule = float(call_reward_fn(REWARD_FUNCTIONS.get(source), response, ground_truth))
+        except Exception:  # the rule scorer is only a comparison here
+            rule = None
+    ref = None if ground_truth is None else str(ground_truth)
+    coro = judge.score(str(extra.get("question", "")), response, ref, data_source=source,
+                       rule_reward=rule)  # fmt: skip
+    return asyncio.run_coroutine_threadsafe(coro, loop).result()
