@@ -1,0 +1,43 @@
+"""Judge calls through the balancer over fake judge replicas: a dead one is removed."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from offbeat.core.rewards.genrm import GenRMConfig, GenRMJudge
+from offbeat.core.rewards.genrm_replicas import BalancedJudgeTransport
+
+
+class Tok:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class Replica:
+    def __init__(self, reply: str, dead: bool = False):
+        self.reply, self.dead, self.calls = reply, dead, 0
+
+    async def generate(self, request_id, prompt_ids, params):
+        self.calls += 1
+        await asyncio.sleep(0)
+        if self.dead:
+            raise RuntimeError("replica died")
+        return SimpleNamespace(token_ids=[ord(c) for c in self.reply])
+
+
+def test_dead_judge_replica_is_removed_and_scoring_goes_on():
+    cfg = GenRMConfig(retries=1)
+    a, b = Replica("ok 9", dead=True), Replica("ok 9")
+    transport = BalancedJudgeTransport({"judge-0": a, "judge-1": b}, Tok(), cfg)
+    judge = GenRMJudge(cfg, post=transport, urls=["balancer"])
+
+    async def go():
+        return [await judge.score("q", str(i)) for i in range(6)]
+
+    assert asyncio.run(go()) == [0.9] * 6
+    assert transport.removed == ["judge-0"] and a.calls == 1 and b.calls == 6
+    assert transport.balancer.servers() == ["judge-1"]
