@@ -201,3 +201,23 @@ def test_aiohttp_transport_against_a_fake_judge_server():
 
     score, m = run(go())
     assert score == 0.7 and m["genrm/judgments"] == 1 and m["genrm/errors"] == 0
+
+
+def test_reward_genrm_keys_are_checked_by_validate():
+    import dataclasses
+
+    from offbeat.core.config import ConfigError, JobConfig, RewardConfig, validate
+
+    def keys(reward):
+        try:
+            validate(dataclasses.replace(JobConfig(), reward=reward))
+        except ConfigError as e:
+            return {p.key: p for p in e.problems}
+        return {}
+
+    bad = keys(RewardConfig(name="genrm", genrm={"retries": -1, "replicas": 2}))
+    assert bad["reward.genrm.retries"].value == -1
+    assert "judge model" in bad["reward.genrm.model_path"].expected
+    assert "reward.genrm.url" not in bad  # replicas will be started
+    assert "reward.genrm.url" in keys(RewardConfig(name="genrm"))
+    assert not [k for k in keys(RewardConfig()) if k.startswith("reward.genrm")]

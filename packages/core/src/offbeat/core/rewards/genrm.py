@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from offbeat.core.config.validation import Problems
+from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import REWARD_FUNCTIONS
 from offbeat.core.rewards.registry import RewardError, call_reward_fn, register_reward
 
@@ -47,6 +47,8 @@ class GenRMConfig:
     retries: int = 2
     max_tokens: int = 64
     weights: dict[str, float] = field(default_factory=dict)  # data_source -> judge weight
+    replicas: int = 0  # judge replicas to start (genrm_replicas.start_judges); 0: use url
+    model_path: str = ""  # the judge model the replicas serve
 
 
 def validate_genrm(raw: Mapping[str, Any], p: Problems, prefix: str = "reward.genrm") -> None:
@@ -59,6 +61,9 @@ def validate_genrm(raw: Mapping[str, Any], p: Problems, prefix: str = "reward.ge
     for k in ("max_concurrency", "max_tokens"):
         p.require_int(f"{prefix}.{k}", get[k], minimum=1)
     p.require_int(f"{prefix}.retries", get["retries"], minimum=0)
+    p.require_int(f"{prefix}.replicas", get["replicas"], minimum=0)
+    if isinstance(get["replicas"], int) and get["replicas"] > 0 and not get["model_path"]:
+        p.add(f"{prefix}.model_path", get["model_path"], "the judge model's path (replicas > 0)")
     for k in ("score_min", "score_max"):
         p.require_int(f"{prefix}.{k}", get[k], minimum=None)
     lo, hi = get["score_min"], get["score_max"]
@@ -83,6 +88,22 @@ def validate_genrm(raw: Mapping[str, Any], p: Problems, prefix: str = "reward.ge
     for src, w in dict(get["weights"] or {}).items():
         if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= 1:
             p.add(f"{prefix}.weights.{src}", w, "a number in [0, 1]")
+
+
+@check
+def _check_genrm(cfg: Any, p: Problems) -> None:
+    """`reward.genrm` keys; with `reward.name=genrm` a judge endpoint must be set or started."""
+    raw = dict(getattr(cfg.reward, "genrm", None) or {})
+    validate_genrm(raw, p)
+    if cfg.reward.name == "genrm" and not raw.get("url") and not raw.get("replicas"):
+        p.add("reward.genrm.url", raw.get("url", ""), "a judge URL, or reward.genrm.replicas >= 1")
+
+
+def from_config(raw: Mapping[str, Any]) -> GenRMConfig:
+    """A `GenRMConfig` from a validated `reward.genrm` mapping."""
+    out = GenRMConfig(**{k: v for k, v in dict(raw).items()})
+    out.weights = {str(k): float(v) for k, v in dict(out.weights or {}).items()}
+    return out
 
 
 def parse_score(text: str, cfg: GenRMConfig) -> float | None:

@@ -25,6 +25,13 @@ def start_judges(cfg: Any, model_dir: str, n: int) -> dict[str, Any]:
     return {f"judge-{i}": factory(cfg, model_dir, 1000 + i) for i in range(n)}
 
 
+def start_configured_judges(cfg: Any) -> dict[str, Any]:
+    """The replicas `reward.genrm.replicas` / `reward.genrm.model_path` ask for ({} for 0)."""
+    raw = dict(cfg.reward.genrm or {})
+    n = int(raw.get("replicas", 0))
+    return start_judges(cfg, str(raw["model_path"]), n) if n > 0 else {}
+
+
 class BalancedJudgeTransport:
     """A `Post` for `GenRMJudge` (its url argument is ignored): tokenises the prompt with
     the judge tokenizer, leases a replica from the balancer, generates, detokenises."""
