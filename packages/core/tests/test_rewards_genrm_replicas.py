@@ -41,3 +41,29 @@ def test_dead_judge_replica_is_removed_and_scoring_goes_on():
     assert asyncio.run(go()) == [0.9] * 6
     assert transport.removed == ["judge-0"] and a.calls == 1 and b.calls == 6
     assert transport.balancer.servers() == ["judge-1"]
+
+
+def test_setup_judge_installs_a_url_judge_only_for_reward_name_genrm():
+    import dataclasses
+
+    from offbeat.core.config import JobConfig, RewardConfig
+    from offbeat.core.rewards import RewardRegistry, genrm
+    from offbeat.core.rewards.genrm_replicas import setup_judge
+
+    async def post(url, payload, timeout):
+        return {"choices": [{"text": f"{url} says 10"}]}
+
+    assert setup_judge(JobConfig()) is None
+    reward = RewardConfig(name="genrm", genrm={"url": "http://j", "weights": {"a": 1}})
+    cfg = dataclasses.replace(JobConfig(), reward=reward)
+
+    async def go():
+        judge = setup_judge(cfg, post=post)
+        score = await asyncio.to_thread(RewardRegistry(name="genrm").score, "a", "r", "t")
+        return judge, score
+
+    try:
+        judge, score = asyncio.run(go())
+    finally:
+        genrm.install(None)
+    assert score == 1.0 and judge.cfg.weights == {"a": 1.0} and judge.judgments == 1

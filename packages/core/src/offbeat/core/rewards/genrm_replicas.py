@@ -65,3 +65,27 @@ class BalancedJudgeTransport:
             self.balancer.release(lease)
         text = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
         return {"choices": [{"text": text}]}
+
+
+def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any = None) -> Any:
+    """The job's one hook, called on its event loop: build the `GenRMJudge` that
+    `reward.genrm` describes (over `servers` from `start_configured_judges`, else the url),
+    install it for the registry's `genrm` scorer and return it (the caller calls
+    `judge.new_step()` per step and logs `judge.metrics()`). None unless reward.name=genrm."""
+    from offbeat.core.rewards import genrm
+
+    if cfg.reward.name != "genrm":
+        return None
+    gcfg = genrm.from_config(cfg.reward.genrm or {})
+    tokenizer = None
+    if gcfg.model_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gcfg.model_path)
+    if servers:
+        judge = genrm.GenRMJudge(gcfg, post=BalancedJudgeTransport(servers, tokenizer, gcfg),
+                                 tokenizer=tokenizer, urls=["balancer"])  # fmt: skip
+    else:
+        judge = genrm.GenRMJudge(gcfg, post=post or genrm.aiohttp_post, tokenizer=tokenizer)
+    genrm.install(judge)
+    return judge
