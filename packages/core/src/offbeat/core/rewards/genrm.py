@@ -29,6 +29,7 @@ DEFAULT_TEMPLATE = (
 )
 _INT = re.compile(r"-?\d+")
 ON_PARSE_FAILURE = ("zero", "fail")
+VAL_REWARD = ("judge", "task")  # validation scored by the judge, or by each row's rule scorer
 
 
 @dataclass
@@ -48,7 +49,12 @@ class GenRMConfig:
     max_tokens: int = 64
     weights: dict[str, float] = field(default_factory=dict)  # data_source -> judge weight
     replicas: int = 0  # judge replicas to start (genrm_replicas.start_judges); 0: use url
-    model_path: str = ""  # the judge model the replicas serve
+    model_path: str = ""  # the judge model the replicas serve (a directory, offbeat-tiny:<size>)
+    tensor_parallel_size: int = 1  # per judge replica
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # over rollout.engine_kwargs
+    judge_cpus: list[int] = field(default_factory=list)  # []: share runtime.rollout_cpus
+    judge_num_cpus: float = 0.5  # Ray CPUs per judge replica actor
+    val_reward: str = "judge"  # "task": validation scores rows by their data_source's rule
 
 
 def validate_genrm(raw: Mapping[str, Any], p: Problems, prefix: str = "reward.genrm") -> None:
@@ -62,6 +68,7 @@ def validate_genrm(raw: Mapping[str, Any], p: Problems, prefix: str = "reward.ge
         p.require_int(f"{prefix}.{k}", get[k], minimum=1)
     p.require_int(f"{prefix}.retries", get["retries"], minimum=0)
     p.require_int(f"{prefix}.replicas", get["replicas"], minimum=0)
+    p.require_int(f"{prefix}.tensor_parallel_size", get["tensor_parallel_size"], minimum=1)
     if isinstance(get["replicas"], int) and get["replicas"] > 0 and not get["model_path"]:
         p.add(f"{prefix}.model_path", get["model_path"], "the judge model's path (replicas > 0)")
     for k in ("score_min", "score_max"):
@@ -72,6 +79,16 @@ def validate_genrm(raw: Mapping[str, Any], p: Problems, prefix: str = "reward.ge
     t = get["timeout_s"]
     if isinstance(t, bool) or not isinstance(t, int | float) or t <= 0:
         p.add(f"{prefix}.timeout_s", t, "a positive number of seconds")
+    if get["val_reward"] not in VAL_REWARD:
+        p.add(f"{prefix}.val_reward", get["val_reward"], f"one of {VAL_REWARD}")
+    n = get["judge_num_cpus"]
+    if isinstance(n, bool) or not isinstance(n, int | float) or n < 0:
+        p.add(f"{prefix}.judge_num_cpus", n, "a number of Ray CPUs >= 0")
+    cpus = get["judge_cpus"]
+    if not isinstance(cpus, list | tuple) or any(
+        isinstance(c, bool) or not isinstance(c, int) for c in cpus
+    ):
+        p.add(f"{prefix}.judge_cpus", cpus, "a list of core ids ([]: runtime.rollout_cpus)")
     if get["on_parse_failure"] not in ON_PARSE_FAILURE:
         p.add(f"{prefix}.on_parse_failure", get["on_parse_failure"], f"one of {ON_PARSE_FAILURE}")
     if get["score_regex"]:
@@ -97,12 +114,24 @@ def _check_genrm(cfg: Any, p: Problems) -> None:
     validate_genrm(raw, p)
     if cfg.reward.name == "genrm" and not raw.get("url") and not raw.get("replicas"):
         p.add("reward.genrm.url", raw.get("url", ""), "a judge URL, or reward.genrm.replicas >= 1")
+    path = raw.get("model_path")
+    if raw.get("replicas") and isinstance(path, str) and path:
+        from pathlib import Path
+
+        from offbeat.core.models import TINY_MODEL_PRESETS
+
+        size = path.partition("offbeat-tiny:")[2]
+        tiny = path.startswith("offbeat-tiny:") and size in TINY_MODEL_PRESETS
+        if not tiny and not Path(path).is_dir():
+            p.add("reward.genrm.model_path", path, "an existing HF model directory or "
+                  f"offbeat-tiny:<size> with size in {sorted(TINY_MODEL_PRESETS)}")  # fmt: skip
 
 
 def from_config(raw: Mapping[str, Any]) -> GenRMConfig:
     """A `GenRMConfig` from a validated `reward.genrm` mapping."""
     out = GenRMConfig(**{k: v for k, v in dict(raw).items()})
     out.weights = {str(k): float(v) for k, v in dict(out.weights or {}).items()}
+    out.engine_kwargs, out.judge_cpus = dict(out.engine_kwargs), list(out.judge_cpus)
     return out
 
 
@@ -169,6 +198,8 @@ class GenRMJudge:
         self.latencies: list[float] = []
         self.judgments = self.parse_failures = self.cache_hits = self.errors = 0
         self._agree: list[bool] = []
+        self._scores: list[float] = []  # every scored response (cache hits too)
+        self._rules: list[float] = []
         self._t0 = time.monotonic()
 
     async def _call(self, prompt: str) -> str:
@@ -212,12 +243,19 @@ class GenRMJudge:
         else:
             self.cache_hits += 1
         judged = await asyncio.shield(fut)
+        self._scores.append(judged)
         if rule_reward is not None:
+            self._rules.append(rule_reward)
             self._agree.append((judged >= 0.5) == (rule_reward >= 0.5))
         w = self.cfg.weights.get(data_source, 1.0)
         if rule_reward is None or w >= 1.0:
             return judged
         return w * judged + (1.0 - w) * rule_reward
+
+    @property
+    def removed_replicas(self) -> list[str]:
+        """Judge replicas the transport removed after a failed call (none over a URL)."""
+        return list(getattr(self._post, "removed", []))
 
     def metrics(self) -> dict[str, float]:
         dt = max(time.monotonic() - self._t0, 1e-9)
@@ -230,8 +268,11 @@ class GenRMJudge:
             "genrm/cache_hits": float(self.cache_hits),
             "genrm/errors": float(self.errors),
         }
+        if self._scores:
+            out["genrm/score_mean"] = sum(self._scores) / len(self._scores)
         if self._agree:
             out["genrm/agreement_with_rule"] = sum(self._agree) / len(self._agree)
+            out["genrm/rule_reward_mean"] = sum(self._rules) / len(self._rules)
         return out
 
 
@@ -247,25 +288,48 @@ def install(judge: GenRMJudge | None, loop: asyncio.AbstractEventLoop | None = N
         _INSTALLED.update(judge=judge, loop=loop or asyncio.get_running_loop())
 
 
-@register_reward("genrm")
-def genrm_reward(response: str, ground_truth: Any, **kw: Any) -> float:
-    """The installed judge's score of `response` to `extra_info["question"]`, with
-    `ground_truth` as the reference; the row's own rule reward (its data_source's scorer,
-    when registered) is passed along for the weights and the agreement metric."""
+def _rule(source: str, response: str, ground_truth: Any) -> float | None:
+    """The row's own rule reward (its data_source's scorer), or None where there is none."""
+    if not source or source == "genrm" or source not in REWARD_FUNCTIONS:
+        return None
+    try:
+        return float(call_reward_fn(REWARD_FUNCTIONS.get(source), response, ground_truth))
+    except Exception:  # the rule scorer is only a comparison here
+        return None
+
+
+def _on_judge_loop(responses: list[str], ground_truth: Any, kw: dict[str, Any]) -> list[float]:
+    """Score `responses` (one prompt's group) at once on the installed judge's loop; blocks
+    the calling worker thread, never the loop."""
     if not _INSTALLED:
         raise RewardError(
             "genrm: no judge installed (start judge replicas or set reward.genrm.url)"
         )
     judge, loop = _INSTALLED["judge"], _INSTALLED["loop"]
-    extra = dict(kw.get("extra_info") or {})
+    question = str(dict(kw.get("extra_info") or {}).get("question", ""))
     source = str(kw.get("data_source", ""))
-    rule = None
-    if source and source != "genrm" and source in REWARD_FUNCTIONS:
-        try:
-            rule = float(call_reward_fn(REWARD_FUNCTIONS.get(source), response, ground_truth))
-        except Exception:  # the rule scorer is only a comparison here
-            rule = None
     ref = None if ground_truth is None else str(ground_truth)
-    coro = judge.score(str(extra.get("question", "")), response, ref, data_source=source,
-                       rule_reward=rule)  # fmt: skip
-    return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    async def group() -> list[float]:
+        return list(await asyncio.gather(*(
+            judge.score(question, r, ref, data_source=source, rule_reward=_rule(source, r, ground_truth))
+            for r in responses
+        )))  # fmt: skip
+
+    return asyncio.run_coroutine_threadsafe(group(), loop).result()
+
+
+@register_reward("genrm")
+def genrm_reward(response: str, ground_truth: Any, **kw: Any) -> float:
+    """The installed judge's score of `response` to `extra_info["question"]`, with
+    `ground_truth` as the reference; the row's own rule reward (its data_source's scorer,
+    when registered) is passed along for the weights and the agreement metric."""
+    return _on_judge_loop([response], ground_truth, kw)[0]
+
+
+def _genrm_group(responses: list[str], ground_truth: Any, **kw: Any) -> list[float]:
+    """A group's responses judged concurrently (`RewardRegistry.score_group` calls it)."""
+    return _on_judge_loop(list(responses), ground_truth, kw)
+
+
+genrm_reward.score_group = _genrm_group  # type: ignore[attr-defined]

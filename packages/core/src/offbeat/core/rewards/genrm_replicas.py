@@ -1,35 +1,80 @@
 """Judge replicas for GenRM: where they are started, and the transport that routes judge
 calls to them through offbeat's own LoadBalancer.
 
-Knows how to start judge replicas from the `rollout.engine` registry entry (the one place
-to move when named Ray pools land) and how to call a replica handle (`handle.generate`,
-a Ray actor's `.remote` or a plain coroutine). Judges never get weight syncs: nothing
-here registers them with the checkpoint engine. Knows nothing of the trainer; a replica
-that fails a call is removed from the balancer and the judge's retry goes to another.
+Knows how to start judge replicas from the `rollout.engine` registry entry with a job
+config of their own (`judge_job`; the one place to move when named Ray pools land), how
+to call a replica handle (`handle.generate`, a Ray actor's `.remote` or a plain
+coroutine), and the trainer step hook that logs the judge's metrics. Judges never get
+weight syncs: nothing here hands them to the checkpoint engine. Knows nothing else of the
+trainer; a replica that fails a call is removed from the balancer and the retry goes to
+another.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import itertools
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from offbeat.core.rewards.genrm import GenRMConfig
 
 
-def start_judges(cfg: Any, model_dir: str, n: int) -> dict[str, Any]:
-    """Start `n` judge replicas of `model_dir` (not awaited), like the rollout replicas."""
+def judge_job(cfg: Any) -> Any:
+    """The job config a rollout-engine factory starts judge replicas from: the judge's
+    model (no policy overrides), `reward.genrm.engine_kwargs` over the rollout's,
+    `replicas` x `tensor_parallel_size` devices, `judge_cpus` (default: the rollout's
+    cores, shared) and `judge_num_cpus` Ray CPUs per replica."""
+    g = GenRMConfig(**dict(cfg.reward.genrm or {}))
+    rt = cfg.runtime
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(
+            cfg.model, path=g.model_path, override_config={}, tokenizer_path=""
+        ),
+        rollout=dataclasses.replace(
+            cfg.rollout,
+            tensor_parallel_size=g.tensor_parallel_size,
+            engine_kwargs={**cfg.rollout.engine_kwargs, **dict(g.engine_kwargs)},
+        ),
+        resources=dataclasses.replace(
+            cfg.resources, rollout_devices=g.replicas * g.tensor_parallel_size
+        ),
+        runtime=dataclasses.replace(
+            rt,
+            rollout_cpus=list(g.judge_cpus or rt.rollout_cpus),
+            rollout_num_cpus=g.judge_num_cpus,
+        ),
+    )
+
+
+def resolve_judge_model(cfg: Any, cache_dir: str | Path) -> Any:
+    """`cfg` with `reward.genrm.model_path` a local directory (`offbeat-tiny:<size>` is built,
+    untrained, under `cache_dir`); unchanged when it names none. Blocking: file I/O."""
+    raw = dict(cfg.reward.genrm or {})
+    path = str(raw.get("model_path") or "")
+    if not path.startswith("offbeat-tiny:"):
+        return cfg
+    from offbeat.core.trainer.job import resolve_model
+
+    raw["model_path"] = str(resolve_model(path, Path(cache_dir) / "models"))
+    return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, genrm=raw))
+
+
+def start_judges(cfg: Any) -> dict[str, Any]:
+    """Start the `reward.genrm.replicas` judge replicas of `reward.genrm.model_path` (a
+    directory: `resolve_judge_model` first) from the `rollout.engine` factory, not awaited;
+    {} when none are asked for or reward.name is not genrm. Never handed to the checkpoint engine: no weight syncs."""
     from offbeat.core.registry import ROLLOUT_ENGINES
 
+    n = int(dict(cfg.reward.genrm or {}).get("replicas", 0))
+    if cfg.reward.name != "genrm" or n <= 0:
+        return {}
+    job = judge_job(cfg)
     factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
-    return {f"judge-{i}": factory(cfg, model_dir, 1000 + i) for i in range(n)}
-
-
-def start_configured_judges(cfg: Any) -> dict[str, Any]:
-    """The replicas `reward.genrm.replicas` / `reward.genrm.model_path` ask for ({} for 0)."""
-    raw = dict(cfg.reward.genrm or {})
-    n = int(raw.get("replicas", 0))
-    return start_judges(cfg, str(raw["model_path"]), n) if n > 0 else {}
+    return {f"judge-{i}": factory(job, job.model.path, i) for i in range(n)}
 
 
 class BalancedJudgeTransport:
@@ -67,21 +112,28 @@ class BalancedJudgeTransport:
         return {"choices": [{"text": text}]}
 
 
-def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any = None) -> Any:
+def judge_tokenizer(cfg: Any) -> Any:
+    """The judge's tokenizer (its chat template renders the prompt), or None without a
+    resolved `reward.genrm.model_path`. Blocking: call it off the event loop."""
+    path = str(dict(cfg.reward.genrm or {}).get("model_path") or "")
+    if not path or not Path(path).is_dir():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any = None,
+                tokenizer: Any = None) -> Any:  # fmt: skip
     """The job's one hook, called on its event loop: build the `GenRMJudge` that
-    `reward.genrm` describes (over `servers` from `start_configured_judges`, else the url),
-    install it for the registry's `genrm` scorer and return it (the caller calls
+    `reward.genrm` describes (over `servers` from `start_judges`, else the url), install it
+    for the registry's `genrm` scorer and return it (`GenRMStepHook` calls
     `judge.new_step()` per step and logs `judge.metrics()`). None unless reward.name=genrm."""
     from offbeat.core.rewards import genrm
 
     if cfg.reward.name != "genrm":
         return None
     gcfg = genrm.from_config(cfg.reward.genrm or {})
-    tokenizer = None
-    if gcfg.model_path:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(gcfg.model_path)
     if servers:
         judge = genrm.GenRMJudge(gcfg, post=BalancedJudgeTransport(servers, tokenizer, gcfg),
                                  tokenizer=tokenizer, urls=["balancer"])  # fmt: skip
@@ -89,3 +141,56 @@ def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any
         judge = genrm.GenRMJudge(gcfg, post=post or genrm.aiohttp_post, tokenizer=tokenizer)
     genrm.install(judge)
     return judge
+
+
+class GenRMStepHook:
+    """A trainer step hook: each step logs the judge's metrics of the responses scored
+    since the last step (plus run totals) and starts the judge's next step (its cache);
+    at the end the judge is uninstalled."""
+
+    COUNTS = ("judgments", "parse_failures", "cache_hits", "errors")
+
+    def __init__(self, judge: Any) -> None:
+        self.judge = judge
+        self.totals = dict.fromkeys(self.COUNTS, 0)
+
+    def after_step(self, step: int, groups: list[Any], batch: Any, metrics: dict) -> None:
+        m = self.judge.metrics()
+        for k in self.COUNTS:
+            self.totals[k] += int(m[f"genrm/{k}"])
+            m[f"genrm/{k}_total"] = float(self.totals[k])
+        m["genrm/replicas_removed"] = float(len(self.judge.removed_replicas))
+        metrics.update(m)
+        self.judge.new_step()
+
+    async def close(self) -> None:
+        from offbeat.core.rewards import genrm
+
+        genrm.install(None)
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.totals, "removed_replicas": self.judge.removed_replicas}
+
+
+async def start_judge(cfg: Any, judges: dict[str, Any]) -> Any:
+    """For `reward.name=genrm`: the judge over `judges` (else `reward.genrm.url`), installed
+    for the `genrm` scorer, as the trainer step hook that logs its metrics; else None."""
+    if cfg.reward.name != "genrm":
+        return None
+    tokenizer = await asyncio.to_thread(judge_tokenizer, cfg)
+    await asyncio.gather(*(j.refresh() for j in judges.values() if hasattr(j, "refresh")))
+    return GenRMStepHook(setup_judge(cfg, judges, tokenizer=tokenizer))
+
+
+def validation_agent(cfg: Any, agent: Any) -> Any:
+    """The agent validation samples with: `agent` itself, or with `reward.genrm.val_reward
+    = task` a copy that scores each row by its data_source's rule (not the judge)."""
+    if cfg.reward.name != "genrm" or (cfg.reward.genrm or {}).get("val_reward") != "task":
+        return agent
+    import copy
+
+    from offbeat.core.rewards import RewardRegistry
+
+    out = copy.copy(agent)  # shares the client, tokenizer and scoring threads
+    out.rewards = RewardRegistry(cfg.reward.functions, kwargs=cfg.reward.kwargs)
+    return out

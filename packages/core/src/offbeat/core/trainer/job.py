@@ -422,6 +422,10 @@ def prepare(cfg: RunConfig) -> Prepared:
         model=dataclasses.replace(cfg.model, path=str(model_dir)),
         trainer=dataclasses.replace(t, total_training_steps=steps),
     )
+    if job.reward.name == "genrm":
+        from offbeat.core.rewards.genrm_replicas import resolve_judge_model
+
+        job = resolve_judge_model(job, cache_dir)
     return Prepared(
         job, model_dir, train_files, val_files, time.perf_counter() - t0, notes, cfg.model.path
     )
@@ -447,16 +451,23 @@ def start_replicas(p: Prepared) -> dict[str, Any]:
 
 
 async def run_with_replicas(
-    p: Prepared, servers: dict[str, Any], *, version_offset: int | None = None
+    p: Prepared,
+    servers: dict[str, Any],
+    *,
+    version_offset: int | None = None,
+    judges: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the trainer side around running `servers` and train to the end.
 
-    `version_offset=None` reads the version the replicas hold (0 for fresh ones)."""
+    `version_offset=None` reads the version the replicas hold (0 for fresh ones).
+    `judges`: GenRM judge replicas (`start_judges`) for `reward.name=genrm`; they sit
+    behind a balancer of their own and never join the weight sync."""
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.ckpt_engine import CheckpointEngineManager
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
+    from offbeat.core.rewards.genrm_replicas import start_judge, validation_agent
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
@@ -479,6 +490,7 @@ async def run_with_replicas(
         cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
     )
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
+    judge_hook = await start_judge(cfg, judges or {})  # None unless reward.name=genrm
     if version_offset is None:
         version_offset = max(int(s.weight_version) for s in servers.values())
     ready_s = time.perf_counter() - t0
@@ -518,7 +530,7 @@ async def run_with_replicas(
         )  # fmt: skip
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        validator = Validator.from_job(cfg, agent, val_rows)
+        validator = Validator.from_job(cfg, validation_agent(cfg, agent), val_rows)
         tracker = MetricsTracker(
             run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
             progress=rt.progress_bar,
@@ -533,7 +545,8 @@ async def run_with_replicas(
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
-            version_offset=version_offset, tracer=tracer, step_hooks=rr.hooks,
+            version_offset=version_offset, tracer=tracer,
+            step_hooks=[*rr.hooks, *([judge_hook] if judge_hook else [])],
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
         try:
@@ -543,6 +556,8 @@ async def run_with_replicas(
         plot = tracker.plot()
     finally:
         manager.close()
+        if judge_hook is not None:
+            await judge_hook.close()  # idempotent: the trainer closes its hooks too
     summary.update(
         {
             "run_dir": str(run_dir),
@@ -551,6 +566,7 @@ async def run_with_replicas(
             "trace": str(tracer.path) if tracer is not None else None,
             "startup_s": p.setup_s + ready_s,
             "removed_replicas": dict(pool.removed),
+            "genrm": judge_hook.summary() if judge_hook is not None else None,
             "trainer": trainer,
         }
     )
@@ -558,16 +574,20 @@ async def run_with_replicas(
 
 
 async def run_job(cfg: RunConfig) -> dict[str, Any]:
-    """Run `cfg` (already validated) to the end on fresh replicas; shut them down after."""
+    """Run `cfg` (already validated) to the end on fresh replicas (and GenRM judge
+    replicas when `reward.genrm.replicas` asks for them); shut them all down after."""
+    from offbeat.core.rewards.genrm_replicas import start_judges
+
     t0 = time.perf_counter()
     init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
     servers = start_replicas(p)
+    judges = start_judges(p.cfg)
     try:
-        summary = await run_with_replicas(p, servers, version_offset=0)
+        summary = await run_with_replicas(p, servers, version_offset=0, judges=judges)
     finally:
-        await shutdown_replicas(servers)
+        await shutdown_replicas({**servers, **judges})
     summary["total_wall_s"] = time.perf_counter() - t0
     return summary
 
