@@ -67,3 +67,18 @@ def test_setup_judge_installs_a_url_judge_only_for_reward_name_genrm():
     finally:
         genrm.install(None)
     assert score == 1.0 and judge.cfg.weights == {"a": 1.0} and judge.judgments == 1
+
+
+def test_concurrent_calls_on_a_dead_replica_remove_it_once():
+    cfg = GenRMConfig(retries=2, max_concurrency=8)
+    a, b = Replica("ok 9", dead=True), Replica("ok 9")
+    transport = BalancedJudgeTransport({"judge-0": a, "judge-1": b}, Tok(), cfg)
+    judge = GenRMJudge(cfg, post=transport, urls=["balancer"])
+
+    async def go():
+        return await asyncio.gather(*(judge.score("q", str(i)) for i in range(8)))
+
+    assert asyncio.run(go()) == [0.9] * 8
+    assert a.calls > 1  # several calls were in flight on it when it died
+    assert transport.removed == ["judge-0"] and judge.removed_replicas == ["judge-0"]
+    assert judge.errors == a.calls and judge.judgments == 8

@@ -102,9 +102,9 @@ class BalancedJudgeTransport:
                 out = await generate.remote(rid, prompt_ids, params)
             else:
                 out = await generate(rid, prompt_ids, params)
-        except Exception:
-            self.balancer.remove_servers([sid])
-            self.removed.append(sid)
+        except Exception:  # a dead replica; a slow one is cancelled (not an Exception)
+            if self.balancer.remove_servers([sid]):  # once, though many calls fail on it
+                self.removed.append(sid)
             raise
         finally:
             self.balancer.release(lease)

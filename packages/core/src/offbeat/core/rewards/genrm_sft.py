@@ -60,7 +60,8 @@ def _response(rng: random.Random, truth: str, max_chars: int) -> str:
 def judge_rows(s: JudgeSFTConfig, g: GenRMConfig, *, seed_offset: int = 0,
                max_chars: int = 4) -> list[dict[str, Any]]:  # fmt: skip
     """`s.n_train` SFT rows (`prompt`: the judge prompt as one user message,
-    `ground_truth`: the verdict), labelled by the task's rule scorer; plus `rule` (0/1)."""
+    `ground_truth`: the verdict), labelled by the task's rule scorer; plus `rule` (0/1) and
+    the `question`, `response` and `reference` the prompt was rendered from."""
     from offbeat.core.registry import REWARD_FUNCTIONS
     from offbeat.core.rewards.registry import call_reward_fn
     from offbeat.core.tasks.synthetic import make_rows
@@ -75,7 +76,8 @@ def judge_rows(s: JudgeSFTConfig, g: GenRMConfig, *, seed_offset: int = 0,
         rule = float(call_reward_fn(REWARD_FUNCTIONS.get(t["data_source"]), response, truth))
         body = render_prompt(g, question, response, truth)
         rows.append({"prompt": [{"role": "user", "content": body}],
-                     "ground_truth": verdict(rule >= 0.5, g), "rule": rule})  # fmt: skip
+                     "ground_truth": verdict(rule >= 0.5, g), "rule": rule,
+                     "question": question, "response": response, "reference": truth})  # fmt: skip
     return rows
 
 
