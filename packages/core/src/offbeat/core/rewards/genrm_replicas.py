@@ -66,7 +66,8 @@ def resolve_judge_model(cfg: Any, cache_dir: str | Path) -> Any:
 def start_judges(cfg: Any) -> dict[str, Any]:
     """Start the `reward.genrm.replicas` judge replicas of `reward.genrm.model_path` (a
     directory: `resolve_judge_model` first) from the `rollout.engine` factory, not awaited;
-    {} when none are asked for or reward.name is not genrm. Never handed to the checkpoint engine: no weight syncs."""
+    {} when none are asked for or reward.name is not genrm. They are never handed to the
+    checkpoint engine: no weight syncs."""
     from offbeat.core.registry import ROLLOUT_ENGINES
 
     n = int(dict(cfg.reward.genrm or {}).get("replicas", 0))
