@@ -152,7 +152,7 @@ def test_validation_scores_by_the_rule_only_with_val_reward_task():
 
 def test_judge_sft_rows_are_labelled_by_the_rule_and_hold_both_verdicts():
     from offbeat.core.rewards.genrm_sft import JudgeSFTConfig, judge_rows, verdict
-    from offbeat.core.rewards.scorers import math_answer
+    from offbeat.core.rewards.scorers import extract_answer, math_answer
 
     g = GenRMConfig(score_max=1, template="{question}|{response}|{reference}")
     rows = judge_rows(JudgeSFTConfig(n_train=400), g)
@@ -162,7 +162,8 @@ def test_judge_sft_rows_are_labelled_by_the_rule_and_hold_both_verdicts():
         q, resp, ref = r["prompt"][0]["content"].split("|")
         assert q.startswith("add: ") and len(resp) <= 4
         assert r["rule"] == math_answer(resp, ref)
-        assert r["ground_truth"] == verdict(r["rule"] == 1.0, g)
+        assert r["ground_truth"] == verdict(r["rule"] == 1.0, g, extract_answer(resp), ref)
+        assert r["ground_truth"].startswith(f"{extract_answer(resp) or '-'} vs {ref}: ")
         assert parse_score(r["ground_truth"], g) == r["rule"]  # the target parses as scored
     assert judge_rows(JudgeSFTConfig(n_train=400), g) == rows  # deterministic
 

@@ -30,15 +30,18 @@ class JudgeSFTConfig:
     min_len: int = 1
     max_len: int = 1
     n_train: int = 6000  # judged (question, response) examples
-    steps: int = 1500
+    steps: int = 400
     batch_size: int = 64
     lr: float = 3.0e-3
     seed: int = 0
 
 
-def verdict(right: bool, cfg: GenRMConfig) -> str:
-    """The judge's target text: a one-word verdict, then the score."""
-    return f"right, {cfg.score_max}" if right else f"wrong, {cfg.score_min}"
+def verdict(right: bool, cfg: GenRMConfig, answer: str | None = None, ref: str = "") -> str:
+    """The judge's target text: the final answer it read and the reference (a tiny model
+    compares two numbers it has just written far more easily than across the prompt),
+    a one-word verdict, then the score: `7 vs 7: right, 1`."""
+    seen = f"{answer if answer is not None else '-'} vs {ref}: " if ref else ""
+    return seen + (f"right, {cfg.score_max}" if right else f"wrong, {cfg.score_min}")
 
 
 def _response(rng: random.Random, truth: str, max_chars: int) -> str:
@@ -64,6 +67,7 @@ def judge_rows(s: JudgeSFTConfig, g: GenRMConfig, *, seed_offset: int = 0,
     the `question`, `response` and `reference` the prompt was rendered from."""
     from offbeat.core.registry import REWARD_FUNCTIONS
     from offbeat.core.rewards.registry import call_reward_fn
+    from offbeat.core.rewards.scorers import extract_answer
     from offbeat.core.tasks.synthetic import make_rows
 
     seed = s.seed + 7 + seed_offset
@@ -75,8 +79,9 @@ def judge_rows(s: JudgeSFTConfig, g: GenRMConfig, *, seed_offset: int = 0,
         response = _response(rng, truth, max_chars)
         rule = float(call_reward_fn(REWARD_FUNCTIONS.get(t["data_source"]), response, truth))
         body = render_prompt(g, question, response, truth)
+        target = verdict(rule >= 0.5, g, extract_answer(response), truth)
         rows.append({"prompt": [{"role": "user", "content": body}],
-                     "ground_truth": verdict(rule >= 0.5, g), "rule": rule,
+                     "ground_truth": target, "rule": rule,
                      "question": question, "response": response, "reference": truth})  # fmt: skip
     return rows
 
