@@ -11,7 +11,7 @@
 
     uv run --frozen --no-sync python benchmarks/genrm_figures.py [steps=N] [key=value ...]
 
-Extra key=value pairs are Hydra overrides applied to both runs.
+Extra key=value pairs are Hydra overrides applied to both runs; steps=0 prints figure 1 only.
 """
 
 from __future__ import annotations
@@ -77,11 +77,13 @@ def main() -> None:
     args = sys.argv[1:]
     n = next((int(a.split("=", 1)[1]) for a in args if a.startswith("steps=")), 30)
     extra = [a for a in args if not a.startswith("steps=")]
-    common = [f"trainer.total_training_steps={n}", f"trainer.test_freq={n}", *extra]
+    common = [f"trainer.total_training_steps={max(n, 1)}", f"trainer.test_freq={max(n, 1)}", *extra]
     from offbeat.core.cli import load_recipe_config
 
     _, cfg = load_recipe_config("genrm", common)
     agreement_figure(cfg)
+    if n <= 0:  # steps=0: the agreement figure only
+        return
     judged = run(common, "genrm_bench_judge")
     rule = run([*common, "reward.name=task"], "genrm_bench_rule")
     jv, rv = judged["val"][-1][1], rule["val"][-1][1]
