@@ -32,7 +32,7 @@ class JudgeSFTConfig:
     n_train: int = 6000  # judged (question, response) examples
     steps: int = 400
     batch_size: int = 64
-    lr: float = 3.0e-3
+    lr: float = 1.0e-3  # at 3e-3 the tiny judge copies worse: 88% agreement, not 96%
     seed: int = 0
 
 
