@@ -76,8 +76,57 @@ def test_offbeat_run_fails_fast_without_starting_anything():
 # value and what is missing or valid (offbeat.core.config.support and
 # offbeat.core.trainer.runtime_checks).
 NOT_HONOURED = [
-    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator", "no critic engine yet"),
-    (["algorithm.use_kl_loss=true"], "algorithm.use_kl_loss", "no reference model yet"),
+    (  # a critic of its own takes a device of its own: 1 + 1 + 1 on 2 devices
+        ["algorithm.adv_estimator=gae", "critic.placement=separate"],
+        "resources.trainer_devices+resources.rollout_devices+critic.devices",
+        "must equal resources.num_nodes × resources.devices_per_node = 2",
+    ),
+    (
+        [
+            "algorithm.use_kl_loss=true",
+            "ref.placement=separate",
+            "resources.devices_per_node=3",
+            "runtime.trainer_in_driver=true",
+        ],
+        "runtime.trainer_in_driver",
+        "ref.placement=separate starts worker groups",
+    ),
+    (
+        ["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.devices=0"],
+        "critic.devices",
+        "must be an int > 0",
+    ),
+    (
+        ["algorithm.use_kl_loss=true", "ref.devices=2"],
+        "ref.devices",
+        "only read with ref.placement=separate",
+    ),
+    (["critic.devices=2"], "critic.devices", "nothing reads critic.*"),
+    (["ref.param_offload=true"], "ref.param_offload", "nothing reads ref.*"),
+    (
+        ["algorithm.use_kl_loss=true", "ref.param_offload=true"],
+        "ref.param_offload",
+        "resources.device=cpu keeps every weight in host memory",
+    ),
+    (["algorithm.kl_ctrl.type=adaptive"], "algorithm.kl_ctrl.type", "use_kl_in_reward=true"),
+    (
+        ["algorithm.use_kl_loss=true", "ref.log_prob_micro_batch_size_per_device=0"],
+        "ref.log_prob_micro_batch_size_per_device",
+        "must be an int > 0",
+    ),
+    (["algorithm.kl_penalty=k3"], "algorithm.kl_penalty", "use_kl_in_reward=true"),
+    (
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.target_kl=0.5"],
+        "algorithm.kl_ctrl.target_kl",
+        "only the adaptive controller",
+    ),
+    (["algorithm.kl_clamp=5.0"], "algorithm.kl_clamp", "use_kl_in_reward=true"),
+    (
+        ["algorithm.adv_estimator=gae", "critic.model_path=/no/such/critic"],
+        "critic.model_path",
+        "an existing HF model directory",
+    ),
+    (["algorithm.adv_estimator=gae", "critic.lr=0"], "critic.lr", "must be > 0"),
     (
         ["actor.tensor_model_parallel_size=2"],
         "actor.tensor_model_parallel_size",
@@ -86,12 +135,13 @@ NOT_HONOURED = [
     (
         ["actor.pipeline_model_parallel_size=2"],
         "actor.pipeline_model_parallel_size",
-        "use actor.engine=megatron (not built yet)",
+        "use actor.engine=megatron (offbeat-backend-megatron)",
     ),
     (["algorithm.gamma=0.99"], "algorithm.gamma", "only GAE"),
     (["algorithm.lam=0.95"], "algorithm.lam", "only GAE"),
     (["critic.lr=2e-5"], "critic.lr", "nothing reads critic.*"),
     (["critic.model_path=/models/critic"], "critic.model_path", "nothing reads critic.*"),
+    (["critic.placement=separate"], "critic.placement", "nothing reads critic.*"),
     (["algorithm.kl_loss_coef=0.1"], "algorithm.kl_loss_coef", "use_kl_loss=true"),
     (["algorithm.rollout_is_threshold=3.0"], "algorithm.rollout_is_threshold", "token or sequence"),
     (
@@ -100,14 +150,29 @@ NOT_HONOURED = [
         "'rloo' ignores it",
     ),
     (
-        ["resources.devices_per_node=3", "resources.trainer_devices=2"],
-        "resources.trainer_devices",
-        "until the distributed trainer lands",
+        [
+            "resources.devices_per_node=3",
+            "resources.trainer_devices=2",
+            "runtime.trainer_in_driver=true",
+        ],
+        "runtime.trainer_in_driver",
+        "runs as a worker group",
+    ),
+    (  # trainer and replicas may be on different nodes: shm cannot reach across
+        ["resources.num_nodes=2", "resources.rollout_devices=3"],
+        "runtime.ckpt_backend",
+        "'shm' moves weights within one machine only; use broadcast",
     ),
     (
-        ["resources.num_nodes=2", "resources.rollout_devices=3"],
-        "resources.num_nodes",
-        "runtime.ckpt_backend='shm' moves weights within one machine only",
+        ["resources.num_nodes=2", "resources.rollout_devices=3", "runtime.ckpt_backend=disk"],
+        "runtime.ckpt_backend",
+        "without options that cross machines",
+    ),
+    (["runtime.trainer_num_cpus=0"], "runtime.trainer_num_cpus", "a number > 0"),
+    (
+        ["runtime.trainer_resources={GPU: 1}"],
+        "runtime.trainer_resources.GPU",
+        "a custom Ray resource name",
     ),
     (["runtime.ckpt_backend=naive"], "runtime.ckpt_backend", "Ray actor of its own"),
     (["runtime.ckpt_backend=cuda_ipc"], "runtime.ckpt_backend", "needs resources.device in"),
@@ -128,6 +193,54 @@ NOT_HONOURED = [
         "runtime.ray_num_cpus",
         "only read when the job starts a local Ray",
     ),
+    # hybrid replicas, against the resource split
+    (
+        ["trainer.validate_on_trainer_devices=true"],
+        "runtime.ray_num_cpus",
+        ">= 3: with trainer.validate_on_trainer_devices=true each of the 1 trainer bundles",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=3",
+            "runtime.trainer_in_driver=true",
+        ],
+        "trainer.validate_on_trainer_devices",
+        "a trainer pool for the hybrid replicas to live in",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=3",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+        ],
+        "trainer.validate_on_trainer_devices",
+        "validation to serve",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=4",
+            "resources.devices_per_node=3",
+            "rollout.tensor_parallel_size=2",
+            "resources.rollout_devices=2",
+        ],
+        "trainer.validate_on_trainer_devices",
+        "rollout.tensor_parallel_size=1",
+    ),
+    (
+        [
+            "trainer.validate_on_trainer_devices=true",
+            "runtime.ray_num_cpus=3",
+            "trainer.hybrid_sleep_level=3",
+        ],
+        "trainer.hybrid_sleep_level",
+        "1 (free the KV cache, offload the weights) or 2",
+    ),
+    (["trainer.hybrid_sleep_level=1"], "trainer.hybrid_sleep_level", "nothing else reads it"),
+    (["runtime.replica_replace_attempts=-1"], "runtime.replica_replace_attempts", ">= 0"),
+    (["runtime.replica_replace_backoff_s=0"], "runtime.replica_replace_backoff_s", "> 0"),
 ]
 
 
@@ -140,6 +253,114 @@ def test_what_the_runtime_does_not_honour_is_rejected(overrides, key, phrase):
     mine = [str(p) for p in info.value.problems if p.key == key]
     assert mine, str(info.value)
     assert any(phrase in m for m in mine), mine
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["resources.devices_per_node=3", "resources.trainer_devices=2"],  # a worker group
+        ["resources.devices_per_node=5", "resources.trainer_devices=4",
+         "runtime.trainer_num_cpus=0.5"],
+        ["resources.num_nodes=2", "resources.devices_per_node=1", "runtime.ckpt_backend=broadcast",
+         "runtime.trainer_resources={trainer_node: 1}"],
+        ["trainer.validate_on_trainer_devices=true", "runtime.ray_num_cpus=3",
+         "trainer.hybrid_sleep_level=1"],
+        ["runtime.replica_replace_attempts=0"],
+    ],
+)  # fmt: skip
+def test_what_the_runtime_honours_is_accepted(overrides):
+    load_recipe_config("separate_async", overrides)
+
+
+def test_gae_and_kl_are_accepted_with_a_critic_and_a_reference():
+    load_recipe_config(
+        "separate_async",
+        ["algorithm.adv_estimator=gae", "algorithm.gamma=0.99", "algorithm.lam=0.95",
+         "critic.lr=1e-4", "critic.ppo_epochs=2", "algorithm.use_kl_loss=true",
+         "algorithm.kl_loss_type=k2", "algorithm.use_kl_in_reward=true",
+         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.05"],
+    )  # fmt: skip
+
+
+def test_gae_without_a_critic_engine_and_kl_without_a_reference_name_what_is_missing(monkeypatch):
+    """A train engine that builds neither a value model nor a reference policy: `check`
+    names the missing piece and the engines that have it."""
+    from offbeat.core.registry import TRAIN_ENGINES
+    from offbeat.core.train import FSDP2TrainEngine
+
+    class PolicyOnly:  # a registered engine with neither builder
+        from_job_config = FSDP2TrainEngine.from_job_config
+
+    TRAIN_ENGINES.register("policy_only", PolicyOnly)
+    try:
+        with pytest.raises(ConfigError) as info:
+            load_recipe_config(
+                "separate_async",
+                ["algorithm.adv_estimator=gae", "critic.engine=policy_only",
+                 "algorithm.use_kl_loss=true", "actor.engine=policy_only"],
+            )  # fmt: skip
+    finally:
+        TRAIN_ENGINES.unregister("policy_only")
+    by_key = {p.key: p.expected for p in info.value.problems}
+    assert "needs a critic (value model)" in by_key["algorithm.adv_estimator"]
+    assert "critic.engine='policy_only' builds none" in by_key["algorithm.adv_estimator"]
+    assert "engines that do: fsdp2" in by_key["algorithm.adv_estimator"]
+    assert "needs a reference model" in by_key["algorithm.use_kl_loss"]
+    assert "actor.engine='policy_only'" in by_key["algorithm.use_kl_loss"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.adv_estimator=gae", "resources.devices_per_node=3",
+         "resources.trainer_devices=2"],
+        ["algorithm.use_kl_loss=true", "runtime.trainer_in_driver=false"],
+        ["algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
+         "runtime.trainer_in_driver=false"],
+    ],
+)  # fmt: skip
+def test_a_critic_and_reference_beside_a_trainer_worker_group_are_accepted(overrides):
+    """The group's ranks build the critic and the reference beside the actor: `check`
+    accepts them, and the ranks are told to build exactly what the algorithm reads."""
+    from offbeat.core.runtime import group_roles, trainer_in_driver
+
+    _, cfg = load_recipe_config("separate_async", overrides)
+    assert trainer_in_driver(cfg) is False
+    want = ["actor"]
+    if cfg.algorithm.adv_estimator == "gae":
+        want.append("critic")
+    if cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        want.append("reference")
+    assert list(group_roles(cfg)) == want
+
+
+def test_a_critic_and_reference_in_groups_of_their_own_get_pools_of_their_own():
+    from offbeat.core.runtime import group_roles, pool_specs, trainer_in_driver
+
+    _, cfg = load_recipe_config(
+        "separate_async",
+        ["algorithm.adv_estimator=gae", "critic.placement=separate", "critic.devices=2",
+         "algorithm.use_kl_loss=true", "ref.placement=separate", "resources.devices_per_node=5",
+         "runtime.ray_num_cpus=5"],
+    )  # fmt: skip
+    assert trainer_in_driver(cfg) is False  # null (auto): the actor is a worker group too
+    assert group_roles(cfg) == ("actor",)  # the actor's ranks hold neither
+    specs = {s.name: s for s in pool_specs(cfg)}
+    assert list(specs) == ["trainer", "rollout", "critic", "reference"]
+    assert specs["critic"].bundles == 2 and specs["reference"].bundles == 1
+    assert dict(specs["critic"].bundle) == dict(specs["trainer"].bundle) == {"CPU": 1.0}
+
+
+def test_hybrid_replicas_put_the_trainer_in_a_pool_with_room_for_them():
+    from offbeat.core.runtime import pool_specs, trainer_in_driver
+
+    _, cfg = load_recipe_config(
+        "separate_async", ["trainer.validate_on_trainer_devices=true", "runtime.ray_num_cpus=3"]
+    )
+    assert trainer_in_driver(cfg) is False  # null (auto) gives a trainer pool here
+    specs = {s.name: s for s in pool_specs(cfg)}
+    assert dict(specs["trainer"].bundle) == {"CPU": 2.0}  # the rank's CPU + its hybrid's
+    assert specs["trainer"].bundles == 1 and dict(specs["rollout"].bundle) == {"CPU": 1.0}
 
 
 def test_cuda_is_rejected_on_a_machine_without_it(monkeypatch):

@@ -126,7 +126,7 @@ def check_accounting(trainer) -> None:
 # runs at load average 3-32 read 0.30, 0.31, 0.33, 0.34, 0.36, 0.375, 0.375, 0.39 (at
 # version 10 one run had not moved yet; at version 20 four read 0.375-0.44). The margin
 # asks for 4 more of the 64 prompts right than at version 0; the worst run had 7 more.
-DEFAULT_JOB_STEPS = 15
+DEFAULT_JOB_STEPS = 20  # at 15 a CI run read +0.047 (0.1875 -> 0.234), under the margin
 DEFAULT_JOB_MARGIN = 0.06
 
 
@@ -366,7 +366,12 @@ def test_one_of_two_replicas_killed_mid_run(world):
     import ray
 
     tmp, prepared, servers = world
-    cfg = config(tmp, "replica_killed", "trainer.total_training_steps=4")
+    cfg = config(  # removed only: replacements are tests/test_elastic_*_e2e.py's
+        tmp,
+        "replica_killed",
+        "trainer.total_training_steps=4",
+        "runtime.replica_replace_attempts=0",
+    )
     victim = servers["rollout-1"]
 
     async def main():

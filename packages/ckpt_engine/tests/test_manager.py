@@ -143,3 +143,27 @@ async def test_a_target_that_knows_no_version_yet_is_synced(model, calls):
     assert res.succeeded == ["fresh"] and fresh.weight_version == 3
     # Not caught before the transfer (its version was unknown): the receiver refuses it.
     assert "StaleVersionError" in res.failed["ahead"] and ahead.weight_version is None
+
+
+async def test_a_sender_opened_elsewhere_is_awaited(model, make_target):
+    """A backend whose sender lives in another process returns an awaitable from
+    `open_sender` (offbeat-core's trainer group opens it on trainer rank 0)."""
+    from offbeat.ckpt_engine.shm import ShmBackend
+
+    class Remote(ShmBackend):
+        opened = 0
+
+        def open_sender(self, **kwargs):
+            async def elsewhere():
+                Remote.opened += 1
+                return ShmBackend.open_sender(self, **kwargs)
+
+            return elsewhere()
+
+    target = make_target("r0")
+    mgr = CheckpointEngineManager(Remote(), bucket_bytes=BUCKET, phase_timeout_s=10)
+    try:
+        res = await mgr.sync(model.items(), 1, {"r0": target})
+    finally:
+        mgr.close()
+    assert res.ok and Remote.opened == 1 and target.weight_version == 1

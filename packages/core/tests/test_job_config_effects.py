@@ -153,9 +153,10 @@ def test_a_local_ray_gets_the_replicas_gpus_and_the_trainer_the_next(monkeypatch
     chosen = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
     cfg = SimpleNamespace(
-        resources=SimpleNamespace(device="cuda", rollout_devices=7),
-        runtime=SimpleNamespace(ray_address=""),
-    )
+        resources=SimpleNamespace(device="cuda", rollout_devices=7, trainer_devices=1,
+                                  num_nodes=1),
+        runtime=SimpleNamespace(ray_address="", trainer_in_driver=None),
+    )  # fmt: skip
     assert split_gpus(cfg) == 7 and chosen == [7]  # Ray: GPUs 0-6; the trainer: GPU 7
     cfg.runtime.ray_address = "auto"  # a joined cluster has its own GPUs
     assert split_gpus(cfg) is None and chosen == [7]

@@ -150,6 +150,22 @@ def test_validation_scores_by_the_rule_only_with_val_reward_task():
     assert val.rewards.score("math", "7", "7") == 1.0  # the rule, no judge installed
 
 
+def test_validation_of_a_router_scores_every_loop_by_the_rule():
+    from offbeat.core.agent.loops import AgentLoopRouter
+
+    class Loop:
+        def __init__(self, name: str) -> None:
+            self.name, self.rewards = name, RewardRegistry(name="genrm")
+
+    agent = AgentLoopRouter(Loop, "single_turn")
+    val = validation_agent(genrm_cfg(url="http://j", val_reward="task"), agent)
+    assert isinstance(val, AgentLoopRouter) and val is not agent
+    for name in ("single_turn", "tool"):
+        loop = val.loop(name)
+        assert loop.name == name and loop.rewards.score("math", "7", "7") == 1.0
+        assert agent.loop(name).rewards.name == "genrm"  # the training loops keep the judge
+
+
 def test_judge_sft_rows_are_labelled_by_the_rule_and_hold_both_verdicts():
     from offbeat.core.rewards.genrm_sft import JudgeSFTConfig, judge_rows, verdict
     from offbeat.core.rewards.scorers import extract_answer, math_answer

@@ -39,6 +39,17 @@ def test_parquet_round_trip_and_disjoint_val(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
+def test_changed_row_counts_rewrite_the_files_instead_of_reusing_them(tmp_path):
+    """`task.n_val=256` after a run that wrote 64 rows into the same directory."""
+    train, val = write_task_files(tmp_path, "add", n_train=20, n_val=4, seed=2)
+    before = read_parquet(train)
+    write_task_files(tmp_path, "add", n_train=20, n_val=9, seed=2)
+    assert len(read_parquet(val)) == 9
+    assert read_parquet(train) == before  # untouched: same rows asked
+    write_task_files(tmp_path, "add", n_train=12, n_val=9, seed=2)
+    assert read_parquet(train) == make_rows("add", 12, seed=2)
+
+
 def test_dataloader_epochs_and_resume(tmp_path):
     train, _ = write_task_files(tmp_path, "copy", n_train=7, n_val=2)
     dl = PromptDataLoader(train, seed=3)

@@ -31,6 +31,7 @@ from offbeat.core.trainer import (
     TrainerSettings,
     Validator,
 )
+from offbeat.core.trainer.hybrid import HybridReplicas
 
 EOS = 256
 
@@ -67,6 +68,8 @@ class FakeServer:
         self.aborted_calls = 0  # abort_all() calls (one per weight sync)
         self.interrupted = 0  # generate calls that returned "aborted"
         self.hold: Callable[[str], bool] | None = None
+        self.asleep = 0  # the level of the last sleep(); 0 once woken
+        self.outputs: list[TokenOutput] = []  # what every generate call returned
 
     @property
     def weight_version(self) -> int:
@@ -78,6 +81,8 @@ class FakeServer:
         if self.dead:
             raise ConnectionError(f"{self.server_id} is dead")
         await self._running.wait()
+        if self.asleep:
+            raise RuntimeError(f"{self.server_id} started a request while asleep")
         self.calls += 1
         epoch = self._abort
         budget = sampling_params["max_tokens"]
@@ -93,19 +98,24 @@ class FakeServer:
             await asyncio.sleep(self.tick_s)
             if self._abort != epoch:
                 self.interrupted += 1
-                return TokenOutput(out, lps, "aborted", version)
+                return self._out(TokenOutput(out, lps, "aborted", version), request_id)
         for tok in answer[done:]:
             if len(out) >= budget:
-                return TokenOutput(out, lps, "length", version)
+                return self._out(TokenOutput(out, lps, "length", version), request_id)
             await asyncio.sleep(self.tick_s)
             if self.dead:
                 raise ConnectionError(f"{self.server_id} died mid-request")
             if self._abort != epoch:
                 self.interrupted += 1
-                return TokenOutput(out, lps, "aborted", version)
+                return self._out(TokenOutput(out, lps, "aborted", version), request_id)
             out.append(tok)
             lps.append(-0.1)
-        return TokenOutput(out, lps, "stop", version)
+        return self._out(TokenOutput(out, lps, "stop", version), request_id)
+
+    def _out(self, out: TokenOutput, request_id: str) -> TokenOutput:
+        out.extra["request_id"] = request_id
+        self.outputs.append(out)
+        return out
 
     async def abort_all(self):
         self._running.clear()
@@ -122,10 +132,14 @@ class FakeServer:
         return None  # nothing to release or restore in a fake
 
     async def sleep(self, level=1):
-        return None  # nothing to release or restore in a fake
+        await self.abort_all()
+        self.asleep = level
 
     async def wake_up(self, tags=None):
-        return None  # nothing to release or restore in a fake
+        self.asleep = 0
+
+    async def refresh(self):
+        return self.weight_version
 
     async def update_weights(self, spec: ReceiveSpec) -> int:
         if self.dead:
@@ -217,7 +231,7 @@ class Harness:
 
     def __init__(self, tmp: Path, *, servers=1, threshold=2, strategy="drop", warmup=1,
                  max_tokens=16, engine=None, rows=None, tick_s=0.0005, max_failures=None, tracer=None,
-                 wrap_agent=None, **settings):  # fmt: skip
+                 wrap_agent=None, hybrids=0, replacement=None, **settings):  # fmt: skip
         self.tmp = tmp
         self.settings = make_settings(**settings)
         path = tmp / "train.parquet"
@@ -234,7 +248,9 @@ class Harness:
         self.buffer = RecordingBuffer(
             BufferConfig(self.settings.train_batch_size, threshold, strategy, depth_warmup)
         )
-        self.pool = ReplicaPool(self.servers, self.balancer, self.manager, health_timeout_s=2)
+        self.pool = ReplicaPool(
+            self.servers, self.balancer, self.manager, health_timeout_s=2, replacement=replacement
+        )
         self.agent = SingleTurnAgentLoop(
             self.client, FakeTokenizer(), RewardRegistry(), {"max_tokens": max_tokens},
             on_engine_error=self.pool.on_engine_error,
@@ -246,12 +262,20 @@ class Harness:
         )  # fmt: skip
         self.pool.on_pause = self.driver.clock.pause
         self.engine = engine or FakeEngine()
+        self.hybrid_servers = {f"h{i}": FakeServer(f"h{i}", tick_s) for i in range(hybrids)}
+        self.hybrid = None
+        if hybrids:
+            self.hybrid = HybridReplicas(
+                self.hybrid_servers, self.pool, CheckpointEngineManager("naive", phase_timeout_s=10),
+                client=self.client, phase_timeout_s=10,
+            )  # fmt: skip
         self.tracker = MetricsTracker(tmp / "logs", ("jsonl",), progress=False)
         self.checkpoints = CheckpointManager(tmp / "ckpt")
         self.trainer = Trainer(
             self.settings, engine=self.engine, buffer=self.buffer, driver=self.driver,
             pool=self.pool, tracker=self.tracker, checkpoints=self.checkpoints,
             validator=Validator(self.agent, make_rows("reverse", 4, seed=99)), tracer=tracer,
+            hybrid=self.hybrid,
         )  # fmt: skip
 
     async def run(self):

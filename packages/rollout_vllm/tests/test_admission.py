@@ -105,3 +105,22 @@ async def test_bad_limits_and_weights_are_refused():
         Admission(0)
     with pytest.raises(ValueError, match="weight"):
         await Admission(2).enter(0)
+
+
+async def test_evict_sends_the_waiting_calls_away_and_keeps_the_ones_inside():
+    from offbeat.rollout_vllm._admission import Evicted
+
+    gate = Admission(limit=1)
+    await gate.enter()  # inside
+    waiting = [asyncio.ensure_future(gate.enter()) for _ in range(3)]
+    await asyncio.sleep(0)
+    gate.close()
+    assert gate.evict() == 3
+    for w in waiting:
+        with pytest.raises(Evicted):
+            await w
+    assert gate.inside == 1 and gate.waiting == 0
+    gate.leave()
+    gate.reopen()
+    await asyncio.wait_for(gate.enter(), 1)  # the gate works again
+    assert gate.inside == 1

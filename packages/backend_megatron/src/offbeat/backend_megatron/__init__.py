@@ -1,12 +1,39 @@
-"""Megatron-Core train engine for offbeat — not implemented yet; this package holds no code.
+"""Megatron-Core train engine for offbeat: `MegatronTrainEngine`, an implementation of
+`offbeat.core.train.TrainEngine` on a Megatron GPTModel with tensor, pipeline and data
+parallelism, and the HF <-> Megatron weight conversion it loads and exports through.
 
-What it will be: `MegatronTrainEngine`, an implementation of
-`offbeat.core.train.TrainEngine` (forward log-probs, PPO update on a mini-batch with the
-global loss normaliser of `offbeat.core.algorithms`, export of weights as HF-named
-tensors for the checkpoint engine, save/load) on megatron-core's tensor, pipeline,
-context and expert parallelism. It will register as the train engine "megatron" through
-the `offbeat.train_engines` entry-point group. megatron-core is imported only here,
-never by offbeat-core.
+Registered as the train engine "megatron" through the `offbeat.train_engines`
+entry-point group (`register`). Importing this package does not import megatron-core:
+the engine imports it when it is built, so configs can be checked without it.
 """
 
-__all__: list[str] = []
+from offbeat.backend_megatron.config import MegatronConfig
+from offbeat.backend_megatron.convert import (
+    SUPPORTED_MODEL_TYPES,
+    DecoderSpec,
+    hf_to_megatron,
+    join_tp_shards,
+    megatron_names,
+    megatron_to_hf,
+    split_tp_shard,
+)
+from offbeat.backend_megatron.engine import MegatronTrainEngine
+
+
+def register() -> None:
+    """Entry-point hook of `offbeat.train_engines`: importing this package registered
+    "megatron" already (the engine class's decorator)."""
+
+
+__all__ = [  # the engine and its config, the conversion table, the registry hook
+    "SUPPORTED_MODEL_TYPES",
+    "DecoderSpec",
+    "MegatronConfig",
+    "MegatronTrainEngine",
+    "hf_to_megatron",
+    "join_tp_shards",
+    "megatron_names",
+    "megatron_to_hf",
+    "register",
+    "split_tp_shard",
+]

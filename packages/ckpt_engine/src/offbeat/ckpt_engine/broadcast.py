@@ -272,13 +272,18 @@ class _BroadcastSender(Sender):
     def send(self, named_tensors: NamedTensors) -> SendReport:
         t0 = time.perf_counter()
         g = self._group
+        done_keys = [f"{self._ch['group']}/{self._ch['sync']}/done/{r}" for r in range(self._n)]
         try:
             g.build(self._timeout)
             nbytes, nbuckets, _ = _stream(g, self._ch, named_tensors, None, self._timeout, False)
-            done_keys = [f"{self._ch['group']}/{self._ch['sync']}/done/{r}" for r in range(self._n)]
-            self._wait_done(g.store, done_keys)
+            self._wait_done(g.store, done_keys, self._timeout)
         except Exception as e:
             self._backend._drop_group()
+            # Receivers may still be reading the bucket keys (the abort key among them):
+            # deleting them under a reader hands it an empty value instead of the reason.
+            # Wait, briefly, for their final status before the cleanup below.
+            with contextlib.suppress(Exception):
+                self._wait_done(g.store, done_keys, min(self._timeout, 10.0))
             for r in range(self._n):
                 self._failed.setdefault(r, f"broadcast failed, the group is rebuilt next sync: {e}")
             return SendReport(0, 0, time.perf_counter() - t0, dict(self._failed))
@@ -286,9 +291,9 @@ class _BroadcastSender(Sender):
             self._cleanup()
         return SendReport(nbytes, nbuckets, time.perf_counter() - t0, dict(self._failed))
 
-    def _wait_done(self, store: dist.Store, done_keys: list[str]) -> None:
+    def _wait_done(self, store: dist.Store, done_keys: list[str], timeout_s: float) -> None:
         """Every receiver's final status; one the manager saw die is not waited for."""
-        deadline = time.monotonic() + self._timeout
+        deadline = time.monotonic() + timeout_s
         pending = dict(enumerate(done_keys))
         while pending:
             for r, key in list(pending.items()):
@@ -302,7 +307,7 @@ class _BroadcastSender(Sender):
             if pending and time.monotonic() > deadline:
                 for r in pending:
                     self._failed.setdefault(
-                        r, f"receiver {r} did not finish within {self._timeout:.1f}s"
+                        r, f"receiver {r} did not finish within {timeout_s:.1f}s"
                     )
                 return
             if pending:
@@ -398,6 +403,7 @@ class BroadcastBackend(Backend):
         ch = spec.channel
         rank = ch["num_senders"] + spec.rank
         status = "ok"
+        g: _Group | None = None
         try:
             stale: StaleVersionError | None = None
             try:
@@ -422,12 +428,11 @@ class BroadcastBackend(Backend):
                 status = f"{type(e).__name__}: {e}"
             raise
         finally:
-            try:
-                store = _JOINED.get((tuple(ch["store"]), ch["group"], rank))
-                if store is not None:
-                    store.store.set(f"{ch['group']}/{ch['sync']}/done/{spec.rank}", status)
-            except Exception:
-                pass
+            # The group may be forgotten already (a failed collective): its store still
+            # reaches the sender, which waits for this status before cleaning up.
+            if g is not None:
+                with contextlib.suppress(Exception):
+                    g.store.set(f"{ch['group']}/{ch['sync']}/done/{spec.rank}", status)
 
 
 def send_shard(

@@ -9,6 +9,7 @@ bytes travel (the backend does); it never imports Ray, vLLM or a trainer.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -212,6 +213,8 @@ class CheckpointEngineManager:
             timeout_s=self.wait_timeout_s,
             members=tuple(names),
         )
+        if inspect.isawaitable(sender):  # a sender that lives in another process opens there
+            sender = await sender
         stream = named_tensors() if callable(named_tensors) else named_tensors
         send_task = asyncio.ensure_future(asyncio.to_thread(sender.send, stream))
         reasons: dict[str, str] = {}

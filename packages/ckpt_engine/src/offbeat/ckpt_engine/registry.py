@@ -81,7 +81,9 @@ class Backend(ABC):
         members: tuple[str, ...] = (),
     ) -> Sender:
         """Prepare one sync to `num_receivers` receivers. `members` names them in rank
-        order; backends that build process groups reuse them while it is unchanged."""
+        order; backends that build process groups reuse them while it is unchanged.
+        A backend whose sender lives in another process (a trainer rank, where the
+        weights are) may return an awaitable of the Sender: the manager awaits it."""
 
     @classmethod
     @abstractmethod

@@ -31,6 +31,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "offbeat.core.buffer": ("ReplayBuffer",),
     "offbeat.core.train": ("TrainEngine", "FSDP2TrainEngine"),
     "offbeat.core.trainer": ("Trainer",),
+    # the distributed runtime
+    "offbeat.core.runtime": ("ResourcePools", "PoolSpec", "TrainerGroup"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -1,12 +1,26 @@
-"""SGLang rollout adapter for offbeat — not implemented yet; this package holds no code.
+"""offbeat-rollout-sglang: an SGLang server as an offbeat RolloutServer and weight-sync
+target, over SGLang's native HTTP API (token ids in, token ids + log-probs out).
 
-What it will be: `SGLangServer`, an implementation of `offbeat.core.rollout.RolloutServer`
-(one Ray actor per replica) that starts `sglang.launch_server` as its own process and
-talks to it over HTTP with token ids only (generate with log-probs, abort, pause /
-continue, release / resume of the KV cache), plus the receiving side of a weight sync
-(`offbeat.ckpt_engine.SyncTarget`). It will register as the rollout engine "sglang"
-through the `offbeat.rollout_engines` entry-point group. Until then, `rollout.engine`
-accepts only the engines that are registered (see `offbeat.core.registry`).
+Importing this package does not import SGLang: the server runs as its own process
+(`python -m sglang.launch_server`), started by the replica's Ray actor.
 """
 
-__all__: list[str] = []
+from offbeat.rollout_sglang._http import SGLangHTTP, SGLangHTTPError, SGLangRequestRejected
+from offbeat.rollout_sglang._process import SGLangProcess
+from offbeat.rollout_sglang._weights import SUPPORTED_BACKENDS, update_plan
+from offbeat.rollout_sglang.replica import RemoteSGLangServer, sglang_replica, sglang_server_actor
+from offbeat.rollout_sglang.server import SGLangRolloutServer, SGLangServerConfig
+
+__all__ = [
+    "SUPPORTED_BACKENDS",
+    "RemoteSGLangServer",
+    "SGLangHTTP",
+    "SGLangHTTPError",
+    "SGLangProcess",
+    "SGLangRequestRejected",
+    "SGLangRolloutServer",
+    "SGLangServerConfig",
+    "sglang_replica",
+    "sglang_server_actor",
+    "update_plan",
+]

@@ -14,7 +14,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "Evicted"]
+
+
+class Evicted(Exception):
+    """A waiting call sent away by `Admission.evict()` (its server goes to sleep)."""
 
 
 class Admission:
@@ -86,6 +90,16 @@ class Admission:
 
     def close(self) -> None:
         self.is_open = False
+
+    def evict(self) -> int:
+        """Send every waiting call away (`enter` raises `Evicted`); returns how many."""
+        n = 0
+        while self._waiters:
+            fut, _ = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(Evicted())
+                n += 1
+        return n
 
     def reopen(self) -> None:
         self.is_open = True

@@ -55,18 +55,24 @@ def omp_bind(cpus: list[int], ranks: int) -> str:
     return "|".join(",".join(map(str, share_of(cpus, ranks, r))) for r in range(ranks))
 
 
-def replica_cpus(job: Any, index: int) -> tuple[list[int], dict[str, str]]:
+def replica_cpus(
+    job: Any, index: int, cpus: list[int] | None = None
+) -> tuple[list[int], dict[str, str]]:
     """(cores, env vars) of replica `index`: its share of `runtime.rollout_cpus` (every
-    process of the replica is confined to it) and, on CPU, the engine's thread binding
-    derived from that share unless `runtime.rollout_env` names one inside it."""
+    process of the replica is confined to it), or `cpus` when given (a hybrid replica
+    takes its trainer rank's cores), and, on CPU, the engine's thread binding derived from
+    those cores unless `runtime.rollout_env` names one inside them."""
     from offbeat.core.cpus import share_of
 
     rt = job.runtime
     env = dict(rt.rollout_env)
-    if not rt.rollout_cpus:
-        return [], env
     tp = job.rollout.tensor_parallel_size
-    cpus = share_of(list(rt.rollout_cpus), job.resources.rollout_devices // tp, index)
+    if cpus is None:
+        if not rt.rollout_cpus:
+            return [], env
+        cpus = share_of(list(rt.rollout_cpus), job.resources.rollout_devices // tp, index)
+    if not cpus:
+        return [], env
     if job.resources.device != "cpu":
         return cpus, env
     given = env.get(OMP_BIND)
@@ -87,24 +93,35 @@ def replica_cpus(job: Any, index: int) -> tuple[list[int], dict[str, str]]:
     return cpus, env
 
 
-def vllm_replica(job: Any, model_path: str, index: int) -> Any:
-    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor."""
+def vllm_replica(
+    job: Any,
+    model_path: str,
+    index: int,
+    *,
+    server_id: str | None = None,
+    cpus: list[int] | None = None,
+    **ray_options: Any,
+) -> Any:
+    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor;
+    `ray_options` (e.g. the `scheduling_strategy` of its bundle in the job's rollout
+    pool, or a hybrid replica's place and share in the trainer pool) go to the actor.
+    `server_id`: its name (default `rollout-<index>`; replacements and hybrid replicas
+    have their own); `cpus`: its cores (default: its share of `runtime.rollout_cpus`)."""
     from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor
     from offbeat.rollout_vllm.server import VLLMServerConfig
 
     rt = job.runtime
-    cpus, env = replica_cpus(job, index)
+    cpus, env = replica_cpus(job, index, cpus)
     engine_kwargs = engine_kwargs_of(job)
+    if "scheduling_strategy" in ray_options and job.rollout.tensor_parallel_size > 1:
+        # In a placement group vLLM would pick its Ray executor, which wants a bundle per
+        # worker; the replica's bundle holds all its devices: its own processes use them.
+        engine_kwargs.setdefault("distributed_executor_backend", "mp")
     config = VLLMServerConfig(
-        model=model_path, engine_kwargs=engine_kwargs, server_id=f"rollout-{index}"
+        model=model_path, engine_kwargs=engine_kwargs, server_id=server_id or f"rollout-{index}"
     )
-    handle = vllm_server_actor(
-        config,
-        cpus=cpus,
-        num_cpus=rt.rollout_num_cpus,
-        num_gpus=rt.rollout_num_gpus,
-        runtime_env={"env_vars": env},
-    )
+    options = {"num_cpus": rt.rollout_num_cpus, "num_gpus": rt.rollout_num_gpus, **ray_options}
+    handle = vllm_server_actor(config, cpus=cpus, runtime_env={"env_vars": env}, **options)
     # The proxy knows the version the replica starts with: reading it never asks the actor.
     return RemoteRolloutServer(handle, weight_version=config.weight_version)
 

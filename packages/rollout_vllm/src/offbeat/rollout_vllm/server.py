@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
         f"offbeat-rollout-vllm[gpu] (vllm) ({e})"
     ) from e
 
-from offbeat.rollout_vllm._admission import Admission
+from offbeat.rollout_vllm._admission import Admission, Evicted
 from offbeat.rollout_vllm._sampling import to_sampling_params
 
 __all__ = ["WORKER_EXTENSION", "VLLMRolloutServer", "VLLMServerConfig"]
@@ -133,6 +133,10 @@ class VLLMRolloutServer:
         # drain_s; and how long the engine's own pause took (it runs on in the background).
         self.last_abort: dict[str, Any] | None = None
         self.last_engine_pause_s: float | None = None
+        # What sleep mode has released ("weights", "kv_cache") and the last sleep level
+        # (0: awake); see the memory section.
+        self._freed: set[str] = set()
+        self.asleep_level = 0
 
     def _engine_capacity(self, engine_queue: int | None) -> int:
         vc = self.engine.vllm_config
@@ -173,6 +177,8 @@ class VLLMRolloutServer:
             "inflight_seqs": self._admission.inside,  # their sequences (n per group)
             "waiting": self._admission.waiting,  # calls waiting in the server
             "sleep_mode": self._sleep_mode,
+            "asleep_level": self.asleep_level,
+            "freed": sorted(self._freed),
             "broken": self._broken,
             "last_abort": self.last_abort,
             "last_engine_pause_s": self.last_engine_pause_s,
@@ -213,8 +219,14 @@ class VLLMRolloutServer:
         returns `stop_reason="aborted"` with the tokens produced so far if `abort_all()`
         interrupts it. Bad input raises ValueError before the engine sees it."""
         ids = self._check_prompt(prompt_ids)
-        out, version = await self._run(request_id, ids, to_sampling_params(sampling_params))
-        return self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
+        try:
+            out, version = await self._run(request_id, ids, to_sampling_params(sampling_params))
+        except Evicted:
+            return self._evicted()
+        result = self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
+        # Prompt tokens served from the prefix cache (multi-turn sessions reuse theirs).
+        result.extra["num_cached_tokens"] = int(getattr(out, "num_cached_tokens", 0) or 0)
+        return result
 
     async def generate_group(
         self,
@@ -230,13 +242,22 @@ class VLLMRolloutServer:
         params (vLLM refuses `n > 1` for them) run as `n` requests `<request_id>-<i>`."""
         ids = self._check_prompt(prompt_ids)
         sp = to_sampling_params(sampling_params, n)
+        try:
+            return await self._group(request_id, ids, sp, n)
+        except Evicted:
+            return [self._evicted() for _ in range(n)]
+
+    async def _group(self, request_id: str, ids: list[int], sp: Any, n: int) -> list[TokenOutput]:
         if sp.n != n:
-            runs = await asyncio.gather(
-                *(self._run(f"{request_id}-{i}", ids, sp) for i in range(n))
-            )
-            return [
-                self._to_token_output(o.request_id, o.outputs[0], o.metrics, v) for o, v in runs
-            ]
+
+            async def one(i: int) -> TokenOutput:
+                try:
+                    o, v = await self._run(f"{request_id}-{i}", ids, sp)
+                except Evicted:  # this sample only: the others keep what they produced
+                    return self._evicted()
+                return self._to_token_output(o.request_id, o.outputs[0], o.metrics, v)
+
+            return list(await asyncio.gather(*(one(i) for i in range(n))))
         out, version = await self._run(request_id, ids, sp)
         comps = sorted(out.outputs, key=lambda c: c.index)
         if [c.index for c in comps] != list(range(n)):
@@ -289,6 +310,12 @@ class VLLMRolloutServer:
             self._inside.discard(internal_id)
             if queue is not None:
                 queue.close()
+
+    def _evicted(self) -> TokenOutput:
+        """A call sent away before it entered the engine (the server went to sleep): no
+        tokens, "aborted", so the client resumes it elsewhere."""
+        v = self._weight_version
+        return TokenOutput([], [], "aborted", v, v, v, extra={"server_id": self.server_id})
 
     def _to_token_output(self, vllm_id: str, comp: Any, metrics: Any, version: int) -> TokenOutput:
         token_ids = list(comp.token_ids)
@@ -388,34 +415,55 @@ class VLLMRolloutServer:
         self._admission.reopen()
 
     # ---- memory ---------------------------------------------------------------------
+    # vLLM's sleep-mode API (`AsyncLLM.sleep(level)`, `wake_up(tags)`,
+    # `release_kv_cache_memory()`) on platforms that have it (CUDA, ROCm, XPU); `_freed`
+    # tracks what is released, so every call is safe to repeat. vLLM on CPU has no sleep
+    # mode: the calls only pause and resume, and the engine's memory stays allocated.
     async def release_kv_cache(self) -> bool:
         """Free the KV cache (vLLM sleep mode). A no-op where the platform has no sleep
         mode (CPU): the cache stays allocated. Returns whether it did anything."""
-        if self._sleep_mode:
+        if self._sleep_mode and "kv_cache" not in self._freed:
             await self._engine_paused()
             await self.engine.release_kv_cache_memory()
+            self._freed.add("kv_cache")
         return self._sleep_mode
 
     async def resume_kv_cache(self) -> bool:
-        """Re-allocate the KV cache freed by `release_kv_cache()`; a no-op without sleep
-        mode. Returns whether it did anything."""
-        if self._sleep_mode:
+        """Re-allocate the KV cache freed by `release_kv_cache()` or `sleep()`; a no-op
+        without sleep mode. Returns whether it did anything."""
+        if self._sleep_mode and "kv_cache" in self._freed:
             await self.engine.wake_up(["kv_cache"])
+            self._freed.discard("kv_cache")
+            if not self._freed:  # the weights were woken first: fully awake now
+                self.asleep_level = 0
         return self._sleep_mode
 
     async def sleep(self, level: int = 1) -> None:
-        """Pause like `abort_all()`, then free memory: level 1 offloads weights and drops
-        the KV cache, level 2 drops both. Without sleep mode (CPU) only the pause happens."""
+        """Pause like `abort_all()`, send the calls still waiting for admission back
+        "aborted" with no tokens (their clients resume them elsewhere), then free memory
+        with vLLM's `sleep(level)`: level 1 discards the KV cache and offloads the weights
+        to host memory (restored by `wake_up`), level 2 discards both (load weights after
+        `wake_up(["weights"])`). Without sleep mode (CPU) the engine stays resident and
+        idle."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level!r}: expected 1 or 2")
         await self.abort_all()
+        self._admission.evict()
         await self._engine_paused()
-        if self._sleep_mode:
+        if self._sleep_mode and not self._freed >= {"weights", "kv_cache"}:
             await self.engine.sleep(level)
+            self._freed |= {"weights", "kv_cache"}
+        self.asleep_level = level
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what `sleep()` freed (`tags`: "weights", "kv_cache"; None = all). It
         does not reopen the gate: call `resume()`. A no-op without sleep mode."""
-        if self._sleep_mode:
-            await self.engine.wake_up(tags)
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        if self._sleep_mode and wanted & self._freed:
+            await self.engine.wake_up(sorted(wanted & self._freed))
+            self._freed -= wanted
+        if not self._freed:
+            self.asleep_level = 0
 
     # ---- weight sync (offbeat.ckpt_engine.SyncTarget) ----------------------------------
     async def update_weights(self, spec: ReceiveSpec) -> int:

@@ -19,6 +19,7 @@ from offbeat.core.registry import ADV_ESTIMATORS
 
 __all__ = [
     "compute_advantages",
+    "explained_variance",
     "gae_advantages",
     "grpo_advantages",
     "masked_whiten",
@@ -76,13 +77,16 @@ def rloo_advantages(
 
 
 def sequence_to_token_rewards(rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] sequence rewards placed on each response's last real token ([B, T])."""
+    """[B] sequence rewards placed on each response's last real token ([B, T]): the last
+    position whose mask is 1, so a mask with gaps (tool or observation tokens masked out
+    inside a multi-turn response) puts it on the last policy token."""
     mask = response_mask.to(torch.float32)
     out = torch.zeros_like(mask)
-    lengths = mask.sum(-1).long()
-    has = lengths > 0
+    has = mask.sum(-1) > 0
+    positions = torch.arange(mask.shape[1], dtype=torch.float32)
+    last = torch.where(mask > 0, positions, -1.0).max(-1).values.long()
     rows = torch.arange(mask.shape[0])[has]
-    out[rows, lengths[has] - 1] = rewards.to(torch.float32)[has]
+    out[rows, last[has]] = rewards.to(torch.float32)[has]
     return out
 
 
@@ -106,29 +110,50 @@ def gae_advantages(
     lam: float = 1.0,
     whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over right-padded responses.
+    """Generalised advantage estimation over responses whose mask may have gaps.
 
-    delta_t = r_t + gamma V_{t+1} - V_t with V = 0 past each response's end;
-    A_t = delta_t + gamma lam A_{t+1}. Returns (advantages, returns = A + V), both [B, T];
-    advantages are whitened over the mask unless `whiten=False`.
+    delta_t = r_t + gamma V_next - V_t; A_t = delta_t + gamma lam A_next, where "next" is
+    the next position whose mask is 1 (V_next = A_next = 0 past the last one). Masked
+    positions inside a response (tool or observation tokens of a multi-turn trajectory)
+    are skipped: the value and the advantage are carried through them unchanged, as verl
+    does, instead of being reset, so A_t of the turn before a tool call sees the rewards
+    and values after it. Right padding is the gap at the end. Returns (advantages,
+    returns = A + V), both [B, T] and 0 on masked positions; advantages are whitened over
+    the mask unless `whiten=False`.
     """
     mask = response_mask.to(torch.float32)
     rewards = zero_masked(token_rewards.to(torch.float32), mask)
     values = zero_masked(values.detach().to(torch.float32), mask)
-    t_len = mask.shape[1]
     adv = torch.zeros_like(mask)
-    last = torch.zeros(mask.shape[0])
-    for t in reversed(range(t_len)):
-        nxt_mask = mask[:, t + 1] if t + 1 < t_len else torch.zeros(mask.shape[0])
-        nxt_value = values[:, t + 1] * nxt_mask if t + 1 < t_len else torch.zeros_like(last)
-        delta = rewards[:, t] + gamma * nxt_value - values[:, t]
-        last = delta + gamma * lam * nxt_mask * last
-        adv[:, t] = last
-    adv = adv * mask
-    returns = (adv + values) * mask
+    next_value = torch.zeros(mask.shape[0])
+    next_adv = torch.zeros(mask.shape[0])
+    for t in reversed(range(mask.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        # A masked position passes the next real position's value and advantage on.
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, a, next_adv)
+        adv[:, t] = a
+    adv = zero_masked(adv, mask)
+    returns = zero_masked(adv + values, mask)
     if whiten:
         adv = masked_whiten(adv, mask)
     return adv, returns
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens: 1 is a perfect
+    critic, 0 one no better than the mean return, negative one worse (nan when the returns
+    do not vary)."""
+    m = mask.bool()
+    ret, val = returns[m].double(), values[m].double()
+    if ret.numel() < 2:
+        return float("nan")
+    var = ret.var()
+    if var <= 0:
+        return float("nan")
+    return float(1.0 - (ret - val).var() / var)
 
 
 def compute_advantages(
@@ -162,10 +187,14 @@ def _rloo(rewards, response_mask, group_uids, *, values=None, **_):
 
 
 @ADV_ESTIMATORS.register("gae")
-def _gae(rewards, response_mask, group_uids, *, values=None, gamma=1.0, lam=1.0, whiten=True, **_):
+def _gae(
+    rewards, response_mask, group_uids, *, values=None, gamma=1.0, lam=1.0, whiten=True,
+    token_rewards=None, **_,
+):  # fmt: skip
     if values is None:
         raise ValueError("advantage estimator 'gae' needs the critic's values")
-    token_rewards = sequence_to_token_rewards(rewards, response_mask)
+    if token_rewards is None:  # else: per-token rewards given (e.g. a KL penalty in them)
+        token_rewards = sequence_to_token_rewards(rewards, response_mask)
     return gae_advantages(token_rewards, values, response_mask, gamma=gamma, lam=lam, whiten=whiten)
 
 

@@ -23,8 +23,10 @@ __all__ = [
     "CriticConfig",
     "DataConfig",
     "JobConfig",
+    "KLControlConfig",
     "ModelConfig",
     "RecordConfig",
+    "ReferenceConfig",
     "ReplayConfig",
     "ResourceConfig",
     "RewardConfig",
@@ -40,7 +42,7 @@ class ResourceConfig:
     device: str = "cpu"  # a name in offbeat.core.registry.DEVICES
     num_nodes: int = 1
     devices_per_node: int = 2
-    trainer_devices: int = 1  # must add up with rollout_devices; 1 until the distributed trainer
+    trainer_devices: int = 1  # data-parallel trainer ranks; adds up with rollout_devices
     rollout_devices: int = 1
 
     @property
@@ -81,7 +83,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = 4  # prompts per optimizer step (mini-batch)
     ppo_micro_batch_size_per_device: int = 4  # trajectories per forward/backward
     ppo_epochs: int = 1
-    tensor_model_parallel_size: int = 1  # > 1 needs a model-parallel engine (not fsdp2)
+    # > 1 needs a model-parallel engine (megatron, not fsdp2); trainer_devices must be a
+    # multiple of their product (the rest is data parallelism).
+    tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -95,16 +99,48 @@ class ActorConfig:
 
 @dataclass
 class CriticConfig:
-    """The value model; used only when the advantage estimator needs one (GAE). No critic
-    engine is built yet: non-default values are rejected (see `support.py`)."""
+    """The value model: the policy architecture with a scalar head, built (and every key
+    here read) only when the advantage estimator needs one (GAE); its own optimizer, LR
+    schedule, micro-batches, grad clipping and checkpoint beside the actor's. It updates
+    on the actor's mini-batches, after the actor."""
 
-    engine: str = "fsdp2"
-    model_path: str = ""  # empty: initialise from model.path
-    ppo_micro_batch_size_per_device: int = 4
+    engine: str = "fsdp2"  # a name in TRAIN_ENGINES whose engine builds a critic
+    model_path: str = ""  # empty: initialise from model.path (the actor's)
+    # actor: on the actor's ranks (the trainer process, or each rank of the trainer's
+    # worker group); separate: a worker group of its own, `devices` ranks on a pool of its
+    # own (the trainer then runs as a worker group too).
+    placement: str = "actor"
+    devices: int = 1  # ranks of its own group (placement=separate); adds up in resources.*
+    ppo_micro_batch_size_per_device: int = 4  # trajectories per forward/backward
+    ppo_epochs: int = 1  # passes over each mini-batch per global step
     lr: float = 1e-5
+    lr_warmup_steps: int = 0  # mini-batch updates of linear warm-up
     weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    cliprange_value: float = 0.5
+    grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    cliprange_value: float = 0.5  # V stays within ± this of the old value (clipped loss)
+
+
+@dataclass
+class ReferenceConfig:
+    """The reference policy: a frozen copy of the initial policy (model.path) that gives
+    ``ref_log_probs``; built (and read) only when a KL term needs it
+    (algorithm.use_kl_loss or algorithm.use_kl_in_reward)."""
+
+    placement: str = "actor"  # actor | separate, as critic.placement
+    devices: int = 1  # ranks of its own group (placement=separate), as critic.devices
+    param_offload: bool = False  # keep its weights in host memory between forwards (GPUs)
+    # trajectories per forward; None: actor.ppo_micro_batch_size_per_device
+    log_prob_micro_batch_size_per_device: int | None = None
+
+
+@dataclass
+class KLControlConfig:
+    """The coefficient of the KL penalty in the reward (algorithm.use_kl_in_reward)."""
+
+    type: str = "fixed"  # fixed | adaptive (steered towards target_kl)
+    kl_coef: float = 0.001  # the (initial) coefficient
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only: samples the correction is spread over
 
 
 @dataclass
@@ -156,10 +192,15 @@ class AlgorithmConfig:
     rollout_is_mode: str = "truncate"  # truncate | mask
     rollout_is_threshold: float = 2.0  # upper bound on the IS ratio
     rollout_is_threshold_lower: float | None = None  # mask mode; None: 1 / threshold
-    use_kl_loss: bool = False  # needs a reference model: not built yet
+    # KL to the reference policy as a loss term of the actor (GRPO-style) ...
+    use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"  # a name in KL_ESTIMATORS
-    kl_clamp: float = 10.0
+    kl_clamp: float = 10.0  # per-token KL estimates are clamped to ± this (loss and reward)
+    # ... and/or as a penalty in the reward (classic PPO-RLHF): r_t -= beta × KL_t.
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "k1"  # a name in KL_ESTIMATORS, for the in-reward penalty
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     entropy_coeff: float = 0.0
 
 
@@ -205,6 +246,15 @@ class TrainerConfig:
     # every step when trace=true, else the first trace_steps steps (0: no trace).
     trace: bool = False
     trace_steps: int = 3
+    # Hybrid replicas: one rollout replica per trainer rank, on the trainer's devices,
+    # asleep while it trains; each validation wakes them, syncs them and adds them to the
+    # balancer while validation runs (the trainer waits meanwhile). Needs a trainer pool
+    # (the trainer runs as a worker group) and validation (test_freq or val_before_train).
+    validate_on_trainer_devices: bool = False
+    # How hybrid replicas sleep: 1 frees the KV cache and offloads the weights to host
+    # memory, 2 frees both (they are synced at every wake). Engines without sleep mode
+    # (vLLM on CPU) stay resident and idle.
+    hybrid_sleep_level: int = 2
 
 
 @dataclass
@@ -214,6 +264,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: ReferenceConfig = field(default_factory=ReferenceConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

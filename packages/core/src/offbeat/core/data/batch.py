@@ -3,7 +3,9 @@
 Knows nothing about tokenizers, models or how trajectories were produced: token ids in,
 token ids out. Layout: prompts are LEFT-padded to a common width P and responses
 RIGHT-padded to a common width R, so `input_ids = [prompt | response]` has every
-response in its last R columns (the layout train engines read).
+response in its last R columns (the layout train engines read). A multi-turn response
+holds tokens the policy did not sample (tool observations, template tokens): they are
+attended to (`response_attention_mask`) but not trained on (`response_mask` has gaps).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class Trajectory:
     max_weight_version: int = 0
     group_uid: str = ""  # trajectories of one prompt share it (GRPO / RLOO groups)
     session_id: str = ""
+    # 1 on the tokens the policy sampled (trained on), 0 on tokens a tool or the chat
+    # template wrote (attended to, not trained on); None: every response token is policy.
+    response_mask: list[int] | None = None
+    # Numbers about how the trajectory was made (turns, tool calls, errors), for metrics
+    # only; never padded into the batch.
+    info: dict[str, float] = field(default_factory=dict)
     # Per-row extras: a float (a scalar per trajectory) or a list aligned with
     # response_ids (e.g. advantages, old log-probs).
     extras: dict[str, Any] = field(default_factory=dict)
@@ -38,6 +46,11 @@ class Trajectory:
             raise ValueError(
                 f"Trajectory: {len(self.response_ids)} response_ids but "
                 f"{len(self.rollout_log_probs)} rollout_log_probs"
+            )
+        if self.response_mask is not None and len(self.response_mask) != len(self.response_ids):
+            raise ValueError(
+                f"Trajectory: {len(self.response_ids)} response_ids but "
+                f"{len(self.response_mask)} response_mask entries"
             )
 
 
@@ -52,7 +65,7 @@ class TrajectoryBatch:
     prompt_ids: torch.Tensor  # [B, P] int64, left-padded with pad_token_id
     prompt_mask: torch.Tensor  # [B, P] int64, 1 on real prompt tokens
     response_ids: torch.Tensor  # [B, R] int64, right-padded
-    response_mask: torch.Tensor  # [B, R] int64, 1 on real response tokens
+    response_mask: torch.Tensor  # [B, R] int64, 1 on policy tokens (the loss mask)
     rollout_log_probs: torch.Tensor  # [B, R] float32, 0 on padding
     rewards: torch.Tensor  # [B] float32
     min_weight_version: torch.Tensor  # [B] int64
@@ -61,8 +74,13 @@ class TrajectoryBatch:
     session_ids: list[str]
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     pad_token_id: int = 0
+    # [B, R] int64, 1 on every real response token (policy, tool and template tokens);
+    # None: the same as response_mask (single-turn responses have no gaps).
+    response_attention_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.response_attention_mask is None:
+            self.response_attention_mask = self.response_mask.clone()
         b = self.prompt_ids.shape[0]
         p, r = self.prompt_ids.shape[1], self.response_ids.shape[1]
         shapes = {
@@ -70,6 +88,7 @@ class TrajectoryBatch:
             "prompt_mask": (self.prompt_mask, (b, p)),
             "response_ids": (self.response_ids, (b, r)),
             "response_mask": (self.response_mask, (b, r)),
+            "response_attention_mask": (self.response_attention_mask, (b, r)),
             "rollout_log_probs": (self.rollout_log_probs, (b, r)),
             "rewards": (self.rewards, (b,)),
             "min_weight_version": (self.min_weight_version, (b,)),
@@ -110,6 +129,7 @@ class TrajectoryBatch:
         prompt_mask = torch.zeros((b, p), dtype=torch.long)
         response_ids = torch.full((b, r), pad_token_id, dtype=torch.long)
         response_mask = torch.zeros((b, r), dtype=torch.long)
+        attention = torch.zeros((b, r), dtype=torch.long)
         log_probs = torch.zeros((b, r), dtype=torch.float32)
         extras: dict[str, torch.Tensor] = {}
         for name in trajectories[0].extras:
@@ -124,7 +144,9 @@ class TrajectoryBatch:
                 prompt_mask[i, p - n :] = 1
             if m:
                 response_ids[i, :m] = torch.as_tensor(t.response_ids, dtype=torch.long)
-                response_mask[i, :m] = 1
+                attention[i, :m] = 1
+                policy = t.response_mask
+                response_mask[i, :m] = 1 if policy is None else torch.as_tensor(policy)
                 log_probs[i, :m] = torch.as_tensor(t.rollout_log_probs, dtype=torch.float32)
             for name, out in extras.items():
                 value = t.extras[name]
@@ -155,6 +177,7 @@ class TrajectoryBatch:
             session_ids=[t.session_id for t in trajectories],
             extras=extras,
             pad_token_id=pad_token_id,
+            response_attention_mask=attention,
         )
 
     def unpad(self) -> list[Trajectory]:
@@ -162,7 +185,8 @@ class TrajectoryBatch:
         out = []
         r = self.response_width
         for i in range(len(self)):
-            pm, rm = self.prompt_mask[i].bool(), self.response_mask[i].bool()
+            pm, rm = self.prompt_mask[i].bool(), self.response_attention_mask[i].bool()
+            policy = self.response_mask[i][rm]
             extras: dict[str, Any] = {}
             for name, t in self.extras.items():
                 per_token = t.dim() == 2 and t.shape[1] == r
@@ -177,6 +201,7 @@ class TrajectoryBatch:
                     max_weight_version=int(self.max_weight_version[i]),
                     group_uid=self.group_uids[i],
                     session_id=self.session_ids[i],
+                    response_mask=None if bool(policy.all()) else policy.tolist(),
                     extras=extras,
                 )
             )
@@ -217,6 +242,7 @@ class TrajectoryBatch:
             session_ids=[self.session_ids[i] for i in rows],
             extras={k: v[idx] for k, v in self.extras.items()},
             pad_token_id=self.pad_token_id,
+            response_attention_mask=self.response_attention_mask[idx],
         )
 
     def split(self, size: int) -> list[TrajectoryBatch]:
@@ -272,6 +298,7 @@ class TrajectoryBatch:
             session_ids=[s for b in same for s in b.session_ids],
             extras={k: cat(lambda b, k=k: b.extras[k]) for k in same[0].extras},
             pad_token_id=same[0].pad_token_id,
+            response_attention_mask=cat(lambda b: b.response_attention_mask),
         )
 
     def to(self, device: torch.device | str) -> TrajectoryBatch:
@@ -297,10 +324,11 @@ class TrajectoryBatch:
         return int(self.prompt_mask.sum(-1).max()) if len(self) else 0
 
     def max_response_length(self) -> int:
-        return int(self.response_mask.sum(-1).max()) if len(self) else 0
+        return int(self.response_attention_mask.sum(-1).max()) if len(self) else 0
 
     def num_response_tokens(self) -> int:
-        return int(self.response_mask.sum())
+        """Real response tokens (policy and tool/template ones)."""
+        return int(self.response_attention_mask.sum())
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -309,7 +337,7 @@ class TrajectoryBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+        return torch.cat([self.prompt_mask, self.response_attention_mask], dim=1)
 
     @property
     def position_ids(self) -> torch.Tensor:

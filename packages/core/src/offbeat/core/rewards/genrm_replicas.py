@@ -185,13 +185,23 @@ async def start_judge(cfg: Any, judges: dict[str, Any]) -> Any:
 
 def validation_agent(cfg: Any, agent: Any) -> Any:
     """The agent validation samples with: `agent` itself, or with `reward.genrm.val_reward
-    = task` a copy that scores each row by its data_source's rule (not the judge)."""
+    = task` one that scores each row by its data_source's rule (not the judge): a router
+    (`build_agent`) over copies of its loops, or a copy of a single loop."""
     if cfg.reward.name != "genrm" or (cfg.reward.genrm or {}).get("val_reward") != "task":
         return agent
     import copy
 
     from offbeat.core.rewards import RewardRegistry
 
-    out = copy.copy(agent)  # shares the client, tokenizer and scoring threads
-    out.rewards = RewardRegistry(cfg.reward.functions, kwargs=cfg.reward.kwargs)
-    return out
+    rule = RewardRegistry(cfg.reward.functions, kwargs=cfg.reward.kwargs)
+
+    def by_rule(loop: Any) -> Any:
+        out = copy.copy(loop)  # shares the client, tokenizer and scoring threads
+        out.rewards = rule
+        return out
+
+    if not hasattr(agent, "loop"):
+        return by_rule(agent)
+    from offbeat.core.agent.loops import AgentLoopRouter
+
+    return AgentLoopRouter(lambda name: by_rule(agent.loop(name)), agent.default, key=agent.key)

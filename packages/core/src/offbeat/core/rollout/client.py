@@ -9,7 +9,8 @@ one `TokenOutput`, as if nothing had happened. `generate_group(..., n)` does the
 the `n` samples of one prompt: one lease and one group request (where the server has
 `generate_group`; else `n` requests under that lease), then each sample resumes on its
 own. Each server call is a span on one of that server's lanes in the run's trace, if one
-is active (`offbeat.core.trace`).
+is active (`offbeat.core.trace`), and is tallied under its server id (`served_calls`,
+`served_tokens`: each call once, where it ran).
 
 Knows nothing about engines, weights or Ray beyond one thing: a server handle is either
 an object with `async generate(...)` (and maybe `generate_group(...)`) or a Ray actor
@@ -87,6 +88,7 @@ class _Sample:
         self.logprobs: list[float] = []
         self.routed: list[Any] | None = None
         self.num_preempted = 0
+        self.cached_tokens = 0  # prefix-cache hits the servers reported, over attempts
         self.servers: list[str] = []
         self.first: TokenOutput | None = None
         self.last: TokenOutput | None = None
@@ -121,6 +123,7 @@ class _Sample:
         self.logprobs.extend(out.logprobs[:n_new])
         self.routed = _extend_routed(self.routed, out, n_new, first_attempt=first_attempt)
         self.num_preempted += out.num_preempted
+        self.cached_tokens += int(out.extra.get("num_cached_tokens") or 0)
         if out.stop_reason != "aborted":
             self.stop = "length" if n_new < len(out.token_ids) else out.stop_reason
         elif n_new >= remaining:  # aborted, but the budget is spent
@@ -137,7 +140,11 @@ class _Sample:
             max_weight_version=(self.last_kept or self.last).max_weight_version,
             num_preempted=self.num_preempted,
             routed_experts=self.routed,
-            extra={"num_attempts": len(self.servers), "server_ids": self.servers},
+            extra={
+                "num_attempts": len(self.servers),
+                "server_ids": self.servers,
+                "num_cached_tokens": self.cached_tokens,
+            },
         )
 
 
@@ -153,6 +160,15 @@ class PartialRolloutClient:
     def __init__(self, balancer: Any, config: PartialRolloutConfig | None = None) -> None:
         self.balancer = balancer
         self.config = config or PartialRolloutConfig()
+        # Per server id: the calls it answered and the tokens they brought back, each call
+        # counted once where it ran (an interrupted sample's attempts count where each ran).
+        self.served_calls: dict[str, int] = {}
+        self.served_tokens: dict[str, int] = {}
+
+    def _served(self, server_id: str, outs: Sequence[TokenOutput]) -> None:
+        self.served_calls[server_id] = self.served_calls.get(server_id, 0) + len(outs)
+        tokens = sum(len(o.token_ids) for o in outs)
+        self.served_tokens[server_id] = self.served_tokens.get(server_id, 0) + tokens
 
     async def _call(self, handle: Any, request_id: str, prompt: list[int], params: dict):
         generate = handle.generate
@@ -222,6 +238,7 @@ class PartialRolloutClient:
                         lease.handle, request_id, full, {**base, "max_tokens": sample.remaining}
                     )
                     args.update(tokens=len(out.token_ids), stop=out.stop_reason)
+                self._served(lease.server_id, [out])
             finally:
                 await _maybe_await(self.balancer.release(lease))
             sample.add(out, lease.server_id)
@@ -240,8 +257,13 @@ class PartialRolloutClient:
         sampling_params: Mapping[str, Any] | None = None,
         *,
         group_id: Any = None,
+        session_id: str | None = None,
     ) -> TokenOutput:
         """One finished response ("stop" or "length") for `prompt_ids`.
+
+        `session_id`: the balancer's sticky key (default `request_id`): the turns of one
+        multi-turn session pass the same one, so they reach the replica that holds their
+        prefix in its cache.
 
         Never mutates `sampling_params`; never asks a server for more than the remaining
         budget (nor for a budget <= 0); `logprobs` and `routed_experts` stay aligned with
@@ -250,8 +272,9 @@ class PartialRolloutClient:
         tokens (see `_Sample`).
         """
         base, budget = self._base(sampling_params)
+        key = session_id if session_id is not None else request_id
         return await self._resume(
-            request_id, request_id, list(prompt_ids), base, _Sample(budget), group_id
+            key, request_id, list(prompt_ids), base, _Sample(budget), group_id
         )
 
     async def generate_group(
@@ -321,6 +344,7 @@ class PartialRolloutClient:
                         tokens=sum(len(o.token_ids) for o in outs),
                         stop=",".join(sorted({o.stop_reason for o in outs})),
                     )
+                self._served(lease.server_id, outs)
             finally:
                 await _maybe_await(self.balancer.release(lease))
             for i, out in zip(pending, outs, strict=True):

@@ -6,6 +6,9 @@ character-level model of ~1M parameters learns them in minutes on a CPU:
 - `reverse`: "reverse: bdca" -> "acdb"       (data_source "char_match", partial credit)
 - `copy`:    "copy: bdca"    -> "bdca"       (data_source "char_match")
 - `add`:     "add: 12+7"     -> "19"         (data_source "math")
+- `mul`:     "mul: 37*58"    -> "2146"       (data_source "math"; `extra_info.expression`
+  "37*58" is what a calculator tool is called on: the tool-use example's task, which a
+  tiny model cannot do alone)
 Rows may carry a `sampling` dict of per-prompt sampling overrides (e.g. `max_tokens`),
 which benchmarks use to give responses a known length distribution.
 """
@@ -21,7 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-TASKS = ("reverse", "copy", "add")
+TASKS = ("reverse", "copy", "add", "mul")
+_MIX = ("reverse", "copy", "add")  # what "mix" draws from (unchanged since it was written)
 ALPHABET = "abcdef"
 
 
@@ -59,10 +63,17 @@ def _add(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str, str]
     return f"add: {a}+{b}", str(a + b), "math"
 
 
+def _mul(rng: random.Random, min_len: int, max_len: int) -> tuple[str, str, str]:
+    # Operands of min_len..max_len digits (no leading zeros).
+    a, b = (rng.randint(10 ** (rng.randint(min_len, max_len) - 1), 10**max_len - 1) for _ in "ab")
+    return f"mul: {a}*{b}", str(a * b), "math"
+
+
 _MAKERS: dict[str, Callable[[random.Random, int, int], tuple[str, str, str]]] = {
     "reverse": _reverse,
     "copy": _copy,
     "add": _add,
+    "mul": _mul,
 }
 
 
@@ -77,16 +88,17 @@ def make_rows(
     rng = random.Random(f"{task}:{seed}")
     rows = []
     for i in range(n):
-        name = rng.choice(TASKS) if task == "mix" else task
+        name = rng.choice(_MIX) if task == "mix" else task
         question, answer, source = _MAKERS[name](rng, min_len, max_len)
-        rows.append(
-            {
-                "prompt": [{"role": "user", "content": question}],
-                "data_source": source,
-                "ground_truth": answer,
-                "index": i,
-            }
-        )
+        row = {
+            "prompt": [{"role": "user", "content": question}],
+            "data_source": source,
+            "ground_truth": answer,
+            "index": i,
+        }
+        if name == "mul":
+            row["extra_info"] = {"expression": question.split(": ", 1)[1]}
+        rows.append(row)
     return rows
 
 
@@ -104,6 +116,14 @@ def read_parquet(path: str | Path) -> list[dict[str, Any]]:
     return pq.read_table(path).to_pylist()
 
 
+def _num_rows(path: Path) -> int | None:
+    """Rows of an existing parquet file (from its footer), None when absent or unreadable."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, pa.ArrowException):
+        return None
+
+
 def write_task_files(
     out_dir: str | Path,
     task: str = "reverse",
@@ -115,12 +135,14 @@ def write_task_files(
     max_len: int = 5,
 ) -> tuple[Path, Path]:
     """Write `train.parquet` and `val.parquet` (disjoint seeds) into `out_dir`; return
-    their paths. Existing files are reused when present."""
+    their paths. Existing files are reused when they hold the asked number of rows (rows
+    are a function of task, seed and lengths: the caller keys `out_dir` by those), and
+    rewritten otherwise, so a changed `n_train`/`n_val` is never silently ignored."""
     out = Path(out_dir)
     train, val = out / "train.parquet", out / "val.parquet"
-    if not train.exists():
+    if _num_rows(train) != n_train:
         write_parquet(make_rows(task, n_train, seed=seed, min_len=min_len, max_len=max_len), train)
-    if not val.exists():
+    if _num_rows(val) != n_val:
         rows = make_rows(task, n_val, seed=seed + 1_000_003, min_len=min_len, max_len=max_len)
         write_parquet(rows, val)
     return train, val

@@ -1,5 +1,5 @@
 """Training backends: the TrainEngine contract and its registry, the FSDP2 engine, the PPO
-loss it optimises, and the optimizer / LR schedule."""
+loss it optimises, its critic (value model, value loss), and the optimizer / LR schedule."""
 
 from offbeat.core.train.actor import make_train_engine_actor
 from offbeat.core.train.engine import (
@@ -8,11 +8,21 @@ from offbeat.core.train.engine import (
     TrainEngine,
     batch_field,
     build_actor_engine,
+    build_critic_engine,
+    build_reference_engine,
     build_train_engine,
     register_train_engine,
 )
 from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine, hf_name
 from offbeat.core.train.loss import PPOLoss, PPOLossConfig
+
+# critic imports fsdp2: keep it after it.
+from offbeat.core.train.critic import (  # isort: skip
+    FSDP2CriticEngine,
+    ValueLoss,
+    ValueLossConfig,
+    build_value_model,
+)
 from offbeat.core.train.optim import (
     LR_SCHEDULES,
     OptimConfig,
@@ -25,17 +35,23 @@ __all__ = [  # contract + registry, the FSDP2 engine, its loss, optimizer and LR
     "LR_SCHEDULES",
     "TRAIN_ENGINES",
     "FSDP2Config",
+    "FSDP2CriticEngine",
     "FSDP2TrainEngine",
     "LossFn",
     "OptimConfig",
     "PPOLoss",
     "PPOLossConfig",
     "TrainEngine",
+    "ValueLoss",
+    "ValueLossConfig",
     "batch_field",
     "build_actor_engine",
+    "build_critic_engine",
     "build_lr_scheduler",
     "build_optimizer",
+    "build_reference_engine",
     "build_train_engine",
+    "build_value_model",
     "hf_name",
     "lr_factor",
     "make_train_engine_actor",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from offbeat.core.device import Device
 
@@ -127,13 +127,20 @@ def shard(
     reshard_after_forward: bool,
     gradient_checkpointing: bool,
     compile_layers: bool = False,
+    *,
+    offload: bool = False,
 ) -> nn.Module:
     """`fully_shard` each decoder layer, then the root (in place; returns the model).
     `compile_layers`: torch.compile each layer's forward (FSDP's hooks stay outside the
-    compiled code, and parameter names do not change)."""
+    compiled code, and parameter names do not change). `offload`: parameters stay in host
+    memory between uses (CPUOffloadPolicy)."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, Any] = {
+        "mesh": mesh, "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward
+    }  # fmt: skip
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(model)
     if compile_layers:
         _compile_forwards(layers)
@@ -168,6 +175,7 @@ def build_sharded_model(
     trust_remote_code: bool = False,
     init_on_rank0: bool = True,
     override_config: Mapping[str, Any] | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Load the HF model at `path` (its config with `override_config` applied) and shard it
     over `mesh`. With several ranks and `init_on_rank0`, rank 0 alone reads the checkpoint
@@ -176,13 +184,14 @@ def build_sharded_model(
     opts = (reshard_after_forward, gradient_checkpointing, compile_layers)
     ov = override_config
     if dist.get_world_size(group) == 1 or not init_on_rank0:
-        return shard(load_hf_model(path, trust_remote_code, ov).float(), mesh, mp_policy, *opts)
+        model = load_hf_model(path, trust_remote_code, ov).float()
+        return shard(model, mesh, mp_policy, *opts, offload=offload)
     full_state = {}
     if dist.get_rank(group) == 0:
         full_state = load_hf_model(path, trust_remote_code, ov).state_dict()
-    model = shard(_skeleton(path, trust_remote_code, ov), mesh, mp_policy, *opts)
+    model = shard(_skeleton(path, trust_remote_code, ov), mesh, mp_policy, *opts, offload=offload)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if offload else device)
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])

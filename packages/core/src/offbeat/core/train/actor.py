@@ -1,7 +1,8 @@
 """The Ray shell around a train engine: one factory, nothing else.
 
-The engines stay plain classes (tests and a single-process trainer use them directly); a
-distributed trainer runs one actor per data-parallel rank. Knows nothing about how the
+The engines stay plain classes (tests and a single-process trainer use them directly); the
+job's trainer group (`offbeat.core.runtime`) runs one actor per data-parallel rank with
+its own rank class. Knows nothing about how the
 ranks rendezvous: pass the torch.distributed env:// variables (MASTER_ADDR, MASTER_PORT,
 RANK, WORLD_SIZE, LOCAL_RANK) through `runtime_env={"env_vars": ...}` in `ray_options`,
 and the engine joins that group when it is built.

@@ -37,6 +37,8 @@ __all__ = [
     "TrainEngine",
     "batch_field",
     "build_actor_engine",
+    "build_critic_engine",
+    "build_reference_engine",
     "build_train_engine",
     "register_train_engine",
 ]
@@ -96,7 +98,9 @@ class TrainEngine(Protocol):
 
     A class registered in `TRAIN_ENGINES` also offers `from_job_config(job, **kwargs)`, a
     classmethod that builds the policy's engine from a `offbeat.core.config.JobConfig`
-    (see `build_actor_engine`).
+    (see `build_actor_engine`), and, when it can, `critic_from_job_config` (a value model:
+    `build_critic_engine`) and `reference_from_job_config` (the frozen initial policy:
+    `build_reference_engine`); `check` names an engine that lacks what the job needs.
     """
 
     @property
@@ -155,3 +159,25 @@ def build_actor_engine(job: Any, **kwargs: Any) -> TrainEngine:
     """The policy's engine for a `offbeat.core.config.JobConfig`: the class registered
     under `job.actor.engine`, built by its `from_job_config(job, **kwargs)`."""
     return TRAIN_ENGINES.get(job.actor.engine).from_job_config(job, **kwargs)
+
+
+def build_critic_engine(job: Any, **kwargs: Any) -> Any:
+    """The critic (value model) for a JobConfig: the class registered under
+    `job.critic.engine`, built by its `critic_from_job_config(job, **kwargs)`; it offers
+    `compute_values(batch) -> [B, R]`, `update(mini_batch)`, `save`, `load`."""
+    cls = TRAIN_ENGINES.get(job.critic.engine)
+    if not hasattr(cls, "critic_from_job_config"):
+        raise ValueError(f"critic.engine={job.critic.engine!r}: this train engine builds no critic")
+    return cls.critic_from_job_config(job, **kwargs)
+
+
+def build_reference_engine(job: Any, **kwargs: Any) -> TrainEngine:
+    """The frozen reference policy for a JobConfig: the class registered under
+    `job.actor.engine`, built by its `reference_from_job_config(job, **kwargs)`; only its
+    `compute_log_probs` is used."""
+    cls = TRAIN_ENGINES.get(job.actor.engine)
+    if not hasattr(cls, "reference_from_job_config"):
+        raise ValueError(
+            f"actor.engine={job.actor.engine!r}: this train engine builds no reference model"
+        )
+    return cls.reference_from_job_config(job, **kwargs)

@@ -13,6 +13,7 @@ reports its model FLOPs per second and MFU (`flops`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import time
@@ -89,6 +90,9 @@ class FSDP2Config:
     fused_log_probs: bool = True
     compile: bool = False
     peak_tflops: float | None = None
+    # FSDP2's CPUOffloadPolicy: parameters (and gradients) live in host memory and are
+    # moved to the device for each forward (a frozen reference model on a GPU).
+    offload_params: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self, prefix: str = "train_engine") -> None:
@@ -173,6 +177,25 @@ class FSDP2TrainEngine:
             loss_fn = PPOLoss(PPOLossConfig.from_job_config(job))
         return cls(FSDP2Config.from_job_config(job), loss_fn=loss_fn, model=model)
 
+    @classmethod
+    def reference_from_job_config(cls, job: Any, *, model: nn.Module | None = None) -> Any:
+        """The frozen reference policy of a JobConfig: the actor's initial model and engine
+        settings (it is only ever asked for log-probs), `ref.*` micro-batches and offload."""
+        config = dataclasses.replace(
+            FSDP2Config.from_job_config(job),
+            micro_batch_size=job.ref.log_prob_micro_batch_size_per_device
+            or job.actor.ppo_micro_batch_size_per_device,
+            offload_params=job.ref.param_offload,
+        )
+        return cls(config, model=model)
+
+    @classmethod
+    def critic_from_job_config(cls, job: Any, *, model: nn.Module | None = None) -> Any:
+        """The critic (value model) of a JobConfig (see `offbeat.core.train.critic`)."""
+        from offbeat.core.train.critic import FSDP2CriticEngine
+
+        return FSDP2CriticEngine.from_job_config(job, model=model)
+
     def __init__(
         self, config: FSDP2Config, loss_fn: LossFn | None = None, model: nn.Module | None = None
     ) -> None:
@@ -200,6 +223,7 @@ class FSDP2TrainEngine:
                 trust_remote_code=config.trust_remote_code,
                 init_on_rank0=config.init_on_rank0,
                 override_config=config.override_config,
+                offload=config.offload_params,
             )
         else:
             model = _sharding.shard(
@@ -209,6 +233,7 @@ class FSDP2TrainEngine:
                 config.reshard_after_forward,
                 config.gradient_checkpointing,
                 compile_layers=config.compile,
+                offload=config.offload_params,
             )
         self._model = model
         self._optimizer = build_optimizer(self._model.parameters(), config.optim)
@@ -257,19 +282,30 @@ class FSDP2TrainEngine:
             torch.get_device_module(self._device.type).set_device(self._device)
 
     # ---------------------------------------------------------------- forward
-    def _forward(
-        self, mb: dict[str, Any], temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids = mb["input_ids"]
+    def _model_kwargs(self, mb: dict[str, Any]) -> dict[str, Any]:
         width = mb["response_mask"].shape[1]
         kwargs: dict[str, Any] = {
-            "input_ids": input_ids,
+            "input_ids": mb["input_ids"],
             "attention_mask": mb["attention_mask"],
             "position_ids": _batch.position_ids_of(mb),
             "use_cache": False,
         }
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = width + 1  # only the positions that predict responses
+        return kwargs
+
+    def _response_logits(self, mb: dict[str, Any]) -> torch.Tensor:
+        """The model's outputs at the positions that predict the response tokens [B, R, .]
+        (the critic's values; the policy goes through `_forward`)."""
+        width = mb["response_mask"].shape[1]
+        return self._model(**self._model_kwargs(mb)).logits[:, -(width + 1) : -1, :]
+
+    def _forward(
+        self, mb: dict[str, Any], temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids = mb["input_ids"]
+        width = mb["response_mask"].shape[1]
+        kwargs = self._model_kwargs(mb)
         if self._head is not None:
             with self._head.request(input_ids[:, -width:], temperature, with_entropy):
                 out = self._model(**kwargs).logits  # [B, W, 1 or 2]: log-prob (, entropy)

@@ -1,9 +1,13 @@
 """The separate_async / sync trainer: agent loop, rollout driver, replica pool, training
-loop, checkpoints and metrics."""
+loop, critic and reference model, checkpoints and metrics."""
 
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, encode_prompt
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
-from offbeat.core.trainer.replicas import NoReplicasLeft, ReplicaPool
+from offbeat.core.trainer.critic import Critic
+from offbeat.core.trainer.hybrid import CYCLE_PHASES, HybridReplicas
+from offbeat.core.trainer.ppo import CriticAndReference
+from offbeat.core.trainer.reference import KLSettings, Reference
+from offbeat.core.trainer.replicas import NoReplicasLeft, Replacement, ReplicaPool
 from offbeat.core.trainer.rollout import BusyClock, RolloutDriver, RolloutFailing
 from offbeat.core.trainer.tracking import LOGGERS, MetricsTracker
 from offbeat.core.trainer.trainer import MODES, Trainer, TrainerSettings, build_train_batch
@@ -15,16 +19,25 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     "Trainer",
     "TrainerSettings",
     "build_train_batch",
+    # critic and reference model (PPO with GAE, KL loss, KL in the reward)
+    "Critic",
+    "CriticAndReference",
+    "KLSettings",
+    "Reference",
     # rollout side
     "BusyClock",
     "GroupFailed",
     "NoReplicasLeft",
+    "Replacement",
     "ReplicaPool",
     "RolloutDriver",
     "RolloutFailing",
     "SingleTurnAgentLoop",
     "Validator",
     "encode_prompt",
+    # elastic replicas: validation on the trainer's devices
+    "CYCLE_PHASES",
+    "HybridReplicas",
     # checkpoints and metrics
     "CheckpointManager",
     "LOGGERS",

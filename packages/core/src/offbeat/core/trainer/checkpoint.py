@@ -28,6 +28,12 @@ _STATE = "trainer_state.pt"
 _ENGINE = "engine"
 
 
+def _other_dir(name: str) -> str:
+    if not name.isidentifier() or name == _ENGINE:
+        raise ValueError(f"checkpoint: engine name {name!r} must be an identifier, not {_ENGINE!r}")
+    return name
+
+
 def rng_state() -> dict[str, Any]:
     return {
         "python": random.getstate(),
@@ -43,7 +49,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class CheckpointManager:
-    """`root/step_00000012/{engine/, trainer_state.pt, COMPLETE}`; keeps the newest
+    """`root/step_00000012/{engine/, [critic/,] trainer_state.pt, COMPLETE}`; keeps the newest
     `keep_last` complete checkpoints (0: keep all)."""
 
     def __init__(self, root: str | Path, *, keep_last: int = 2) -> None:
@@ -64,13 +70,19 @@ class CheckpointManager:
         done = self.complete()
         return done[-1][1] if done else None
 
-    def save(self, step: int, engine: Any, state: dict[str, Any]) -> Path:
+    def save(
+        self, step: int, engine: Any, state: dict[str, Any], *, others: dict[str, Any] | None = None
+    ) -> Path:
+        """`others`: further engines saved beside the actor's, each in its own directory
+        (e.g. {"critic": critic_engine} -> step_…/critic/)."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         engine.save(str(tmp / _ENGINE))
+        for name, other in (others or {}).items():
+            other.save(str(tmp / _other_dir(name)))
         torch.save(state, tmp / _STATE)
         (tmp / _MARKER).write_text(json.dumps({"step": step, "time": time.time()}) + "\n")
         if final.exists():  # re-saving a step after a resume: replace it
@@ -81,11 +93,21 @@ class CheckpointManager:
         self._prune()
         return final
 
-    def load(self, path: str | Path, engine: Any) -> dict[str, Any]:
+    def load(
+        self, path: str | Path, engine: Any, *, others: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         path = Path(path)
         if not (path / _MARKER).is_file():
             raise FileNotFoundError(f"checkpoint {str(path)!r} is not complete (no {_MARKER})")
+        for name in others or {}:
+            if not (path / _other_dir(name)).is_dir():
+                raise FileNotFoundError(
+                    f"checkpoint {str(path)!r} holds no {name} state: it was saved by a run "
+                    f"without a {name}; resume it with the same algorithm settings"
+                )
         engine.load(str(path / _ENGINE))
+        for name, other in (others or {}).items():
+            other.load(str(path / _other_dir(name)))
         return torch.load(path / _STATE, weights_only=False)
 
     def _prune(self) -> None:

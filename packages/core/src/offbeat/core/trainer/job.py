@@ -3,7 +3,8 @@ train engine, the checkpoint engine, and the training loop.
 
 Knows no engine by name: rollout replicas come from the factory registered in
 `ROLLOUT_ENGINES` under `rollout.engine` (offbeat.rollout_vllm provides "vllm"; a recipe
-may register it), the train engine from `TRAIN_ENGINES` under `actor.engine`. Safe
+may register it), the train engine from `TRAIN_ENGINES` under `actor.engine` (and the
+critic under `critic.engine`, the reference model under `actor.engine`, when needed). Safe
 defaults: Ray starts locally with its dashboard off and binds to loopback; peak memory of
 the trainer and of every replica's process tree is reported each step.
 """
@@ -24,16 +25,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from offbeat.core.agent.loops import AgentConfig
 from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
-from offbeat.core.registry import ROLLOUT_ENGINES, TRAIN_ENGINES
+from offbeat.core.registry import ROLLOUT_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
 from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
+from offbeat.core.runtime import checks as _runtime_checks  # noqa: F401  (registers its rules)
+from offbeat.core.runtime.launch import (
+    hybrid_replicas,
+    replica_options,
+    start_pools,
+    start_trainer,
+)
+from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
+from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, start_hybrid_replicas
 from offbeat.core.trainer.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
@@ -57,6 +68,15 @@ class RuntimeConfig:
     rollout_cpus: list[int] = field(default_factory=list)
     rollout_num_cpus: float = 1.0  # Ray CPUs per rollout replica actor
     rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
+    # The trainer: null (auto) runs one rank on a local one-node Ray in this process (no
+    # actor); otherwise resources.trainer_devices rank actors on the trainer pool.
+    trainer_in_driver: bool | None = None
+    trainer_num_cpus: float = 1.0  # Ray CPUs per trainer rank (its pool bundle)
+    # Extra custom Ray resources each bundle of a pool asks for (pins a pool to the nodes
+    # that offer them, e.g. {trainer_node: 1}).
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    placement_timeout_s: float = 120.0  # the pools must be placed within this
     rollout_env: dict[str, str] = field(
         default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     )
@@ -67,6 +87,13 @@ class RuntimeConfig:
     # Stop the run when this many train batches' worth of prompt groups in a row fail
     # (reward or engine errors) with none finishing: the rollout has nothing to train on.
     max_failed_batches: int = 3
+    # A rollout replica that dies (or fails a weight sync) is removed and a new one is
+    # started in its bundle: up to this many failed starts in a row (0: only remove), the
+    # first at once, retry k after replica_replace_backoff_s * 2**(k-1) seconds. It joins
+    # the balancer once it holds the trainer's weight version.
+    replica_replace_attempts: int = 3
+    replica_replace_backoff_s: float = 5.0
+    replica_ready_timeout_s: float = 600.0  # a replacement must answer within this
     checkpoint_keep_last: int = 2
     progress_bar: bool = True
 
@@ -77,6 +104,7 @@ class RunConfig(JobConfig):
     dataset is given, a brief warm start, and runtime knobs."""
 
     task: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
@@ -269,8 +297,8 @@ def split_gpus(cfg: RunConfig) -> int | None:
     (the replicas') and this process, the trainer, takes the next one; returns the GPUs
     Ray may hand out (None: nothing to split). A Ray cluster that is joined places replicas
     on whatever GPUs it has: start it without the trainer's GPU."""
-    if cfg.resources.device != "cuda" or cfg.runtime.ray_address:
-        return None
+    if cfg.resources.device != "cuda" or cfg.runtime.ray_address or not _trainer_in_driver(cfg):
+        return None  # a trainer group takes its GPUs from the trainer pool
     torch.cuda.set_device(cfg.resources.rollout_devices)
     return cfg.resources.rollout_devices
 
@@ -316,28 +344,37 @@ def _tree_rss_bytes(pid: int) -> int:
 
 class ReplicaMemory:
     """Peak RSS of each replica's process tree (the actor and the engine processes it
-    spawned), sampled when asked."""
+    spawned), sampled when asked; `servers` may change between samples (replacements).
+    `hybrid`: the hybrid replicas, reported apart as their resident RSS now (sampled
+    between steps, when they sleep: on CPU vLLM has no sleep mode and stays resident)."""
 
-    def __init__(self, servers: dict[str, Any]) -> None:
+    def __init__(self, servers: dict[str, Any], hybrid: dict[str, Any] | None = None) -> None:
         self.servers = servers
+        self.hybrid = hybrid if hybrid is not None else {}
         self.peak: dict[str, int] = {}
+
+    @staticmethod
+    async def _rss(server: Any) -> int | None:
+        handle = getattr(server, "handle", None)
+        if handle is None:
+            return None
+        try:
+            pid = await asyncio.wait_for(handle.__ray_call__.remote(lambda self: os.getpid()), 5)
+        except Exception:
+            return None
+        return await asyncio.to_thread(_tree_rss_bytes, pid)
 
     async def __call__(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for sid, server in list(self.servers.items()):
-            handle = getattr(server, "handle", None)
-            if handle is None:
-                continue
-            try:
-                pid = await asyncio.wait_for(
-                    handle.__ray_call__.remote(lambda self: os.getpid()), 5
-                )
-            except Exception:
-                continue
-            rss = await asyncio.to_thread(_tree_rss_bytes, pid)
-            self.peak[sid] = max(self.peak.get(sid, 0), rss)
+            rss = await self._rss(server)
+            if rss is not None:
+                self.peak[sid] = max(self.peak.get(sid, 0), rss)
         if self.peak:
             out["memory/rollout_peak_rss_gb"] = max(self.peak.values()) / 1e9
+        hybrid = [await self._rss(s) for s in list(self.hybrid.values())]
+        if any(r is not None for r in hybrid):
+            out["memory/hybrid_rss_gb"] = max(r for r in hybrid if r is not None) / 1e9
         out["memory/trainer_peak_gb"] = current_device().memory_stats().peak_bytes / 1e9
         return out
 
@@ -442,12 +479,14 @@ def run_header(p: Prepared, replicas: int, ready_s: float) -> str:
     ) + "".join(f"; {n}" for n in p.notes)
 
 
-def start_replicas(p: Prepared) -> dict[str, Any]:
-    """Start every rollout replica (not awaited: they come up while the trainer builds)."""
+def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
+    """Start every rollout replica (not awaited: they come up while the trainer builds),
+    each in its bundle of `pools`' rollout pool when given."""
     cfg = p.cfg
     factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     n = cfg.resources.rollout_devices // cfg.rollout.tensor_parallel_size
-    return {f"rollout-{i}": factory(cfg, str(p.model_dir), i) for i in range(n)}
+    model = str(p.model_dir)
+    return {f"rollout-{i}": factory(cfg, model, i, **replica_options(pools, i)) for i in range(n)}
 
 
 async def run_with_replicas(
@@ -455,24 +494,31 @@ async def run_with_replicas(
     servers: dict[str, Any],
     *,
     version_offset: int | None = None,
+    pools: Any = None,
+    side: Any = None,
+    hybrids: dict[str, Any] | None = None,
     judges: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the trainer side around running `servers` and train to the end.
 
-    `version_offset=None` reads the version the replicas hold (0 for fresh ones).
-    `judges`: GenRM judge replicas (`start_judges`) for `reward.name=genrm`; they sit
-    behind a balancer of their own and never join the weight sync."""
+    `version_offset=None` reads the version the replicas hold (0 for fresh ones). A trainer
+    group goes into `pools`' trainer pool, or into a pool of its own made here. `side`: a
+    trainer already built (a two-phase start: `run_job`), closed here at the end;
+    `hybrids`: its hybrid replicas, asleep. `judges`: GenRM judge replicas (`start_judges`)
+    for `reward.name=genrm`; they sit behind a balancer of their own and never join the
+    weight sync."""
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
-    from offbeat.ckpt_engine import CheckpointEngineManager
+    from offbeat.core.agent.loops import build_agent
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
     from offbeat.core.rewards.genrm_replicas import start_judge, validation_agent
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
-    from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
     from offbeat.core.trainer.checkpoint import CheckpointManager
+    from offbeat.core.trainer.hybrid import HybridReplicas
+    from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
     from offbeat.core.trainer.rollout import RolloutDriver
     from offbeat.core.trainer.tracking import MetricsTracker
@@ -484,8 +530,17 @@ async def run_with_replicas(
     servers = dict(servers)
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    # The train engine builds while the replicas start.
-    engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
+    own_pools = None
+    if side is None:
+        if not _trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
+            pools = own_pools = await start_pools(cfg, rollout=False)
+        try:  # the train engine builds while the replicas start
+            side = await start_trainer(cfg, pools)
+        except BaseException:
+            if own_pools is not None:
+                own_pools.remove()
+            raise
+    engine = side.engine
     tokenizer = AutoTokenizer.from_pretrained(
         cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
     )
@@ -497,7 +552,8 @@ async def run_with_replicas(
 
     balancer = AsyncLoadBalancer(dict(servers))
     client = PartialRolloutClient(balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens))
-    manager = CheckpointEngineManager(rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s)
+    manager = side.manager
+    pool = None
     try:
         rewards = reward_registry(cfg)
         s = cfg.async_training
@@ -509,10 +565,14 @@ async def run_with_replicas(
                 num_warmup_batches=0 if cfg.trainer.mode == "sync" else s.num_warmup_batches,
             )
         )
-        pool = ReplicaPool(servers, balancer, manager)
-        agent = SingleTurnAgentLoop(
-            client, tokenizer, rewards, base_sampling(cfg), prompt_key=cfg.data.prompt_key,
-            max_prompt_length=cfg.data.max_prompt_length, on_engine_error=pool.on_engine_error,
+        replacement = (
+            replacement_for(p, pools, servers) if rt.replica_replace_attempts > 0 else None
+        )
+        pool = ReplicaPool(servers, balancer, manager, replacement=replacement)
+        agent = build_agent(
+            cfg.agent, client, tokenizer, rewards, base_sampling(cfg),
+            prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+            on_engine_error=pool.on_engine_error,
         )  # fmt: skip
         loader = PromptDataLoader(p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         # rollout.replay / rollout.record: the driver's loader and agent, the trainer's hooks.
@@ -530,7 +590,10 @@ async def run_with_replicas(
         )  # fmt: skip
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        validator = Validator.from_job(cfg, validation_agent(cfg, agent), val_rows)
+        val_agent = validation_agent(cfg, agent)  # genrm: the rule with val_reward=task
+        validator = Validator.from_job(cfg, val_agent, val_rows)
+        if validator is not None and cfg.agent.val_without_tools:
+            validator.baselines["no_tools"] = val_agent.loop("single_turn")
         tracker = MetricsTracker(
             run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
             progress=rt.progress_bar,
@@ -541,11 +604,24 @@ async def run_with_replicas(
             else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
         )
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
+        # The critic and the reference model, when the algorithm needs them, beside the
+        # actor (critic.placement=actor, ref.placement=actor): on the trainer group's ranks
+        # (the side carries their engines), or built here with a trainer in this process.
+        critic_ref = CriticAndReference.from_job(
+            cfg, critic_engine=side.critic_engine, reference_engine=side.reference_engine
+        )
         tracer = make_tracer(cfg.trainer, run_dir)
+        hybrid = None
+        if hybrids:
+            hybrid = HybridReplicas(
+                hybrids, pool, side.hybrid_manager(cfg), client=client,
+                sleep_level=cfg.trainer.hybrid_sleep_level, phase_timeout_s=rt.sync_timeout_s,
+            )  # fmt: skip
+        memory = ReplicaMemory(pool.servers, hybrid.servers if hybrid is not None else None)
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
-            checkpoints=checkpoints, validator=validator, rollout_memory=ReplicaMemory(servers),
-            version_offset=version_offset, tracer=tracer,
+            checkpoints=checkpoints, validator=validator, rollout_memory=memory,
+            version_offset=version_offset, tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
             step_hooks=[*rr.hooks, *([judge_hook] if judge_hook else [])],
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
@@ -555,7 +631,12 @@ async def run_with_replicas(
             tracker.close()
         plot = tracker.plot()
     finally:
-        manager.close()
+        if pool is not None:
+            await pool.close()
+            await shutdown_replicas(pool.started)  # the replacements it started
+        await side.close()
+        if own_pools is not None:
+            own_pools.remove()
         if judge_hook is not None:
             await judge_hook.close()  # idempotent: the trainer closes its hooks too
     summary.update(
@@ -566,6 +647,9 @@ async def run_with_replicas(
             "trace": str(tracer.path) if tracer is not None else None,
             "startup_s": p.setup_s + ready_s,
             "removed_replicas": dict(pool.removed),
+            "replaced_replicas": dict(pool.replaced),
+            "hybrid_events": list(hybrid.events) if hybrid is not None else [],
+            "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
             "genrm": judge_hook.summary() if judge_hook is not None else None,
             "trainer": trainer,
         }
@@ -582,23 +666,36 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
     init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
-    servers = start_replicas(p)
-    judges = start_judges(p.cfg)
+    pools = await start_pools(p.cfg)
+    servers: dict[str, Any] = {}
+    hybrids: dict[str, Any] = {}
+    judges: dict[str, Any] = {}
+    order: list[str] = []
     try:
-        summary = await run_with_replicas(p, servers, version_offset=0, judges=judges)
+        side = None
+        if hybrid_replicas(p.cfg):
+            # Two-phase start. The trainer first: its ranks take their bundles, so the
+            # hybrid replicas can be placed beside them. Phase 1: the hybrid replicas start
+            # and go to sleep. Phase 2: the standalone replicas start.
+            side = await start_trainer(p.cfg, pools)
+            order.append("trainer")
+            try:
+                hybrids = await start_hybrid_replicas(p, pools)
+                order.append("hybrid_asleep")
+                servers = start_replicas(p, pools)
+            except BaseException:
+                await side.close()
+                raise
+        else:
+            servers = start_replicas(p, pools)
+        order.append("standalone")
+        judges = start_judges(p.cfg)
+        summary = await run_with_replicas(
+            p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids, judges=judges
+        )
     finally:
-        await shutdown_replicas({**servers, **judges})
+        await shutdown_replicas({**servers, **hybrids, **judges})
+        pools.remove()
     summary["total_wall_s"] = time.perf_counter() - t0
+    summary["start_order"] = order
     return summary
-
-
-async def shutdown_replicas(servers: dict[str, Any]) -> None:
-    import ray
-
-    for s in servers.values():
-        handle = getattr(s, "handle", None)
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(handle.shutdown.remote(), 30)
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(ray.kill, handle)

@@ -1,31 +1,82 @@
-"""The pool of rollout replicas as the trainer sees it: weight syncs and failures.
+"""The pool of rollout replicas as the trainer sees it: weight syncs, failures, replacements.
 
 Knows nothing about what runs inside a replica (any object implementing `RolloutServer`
-and `SyncTarget`, local or a Ray actor proxy) or how bytes travel (the
-CheckpointEngineManager's backend). A replica that dies, stops answering, or fails a
-weight sync is removed from the balancer, so new and resumed requests go elsewhere.
+and `SyncTarget`, local or a Ray actor proxy), how bytes travel (the
+CheckpointEngineManager's backend) or how a replica is started (a `Replacement` callable
+the job gives). A replica that dies, stops answering, or fails a weight sync is removed
+from the balancer, so new and resumed requests go elsewhere; with a `Replacement`, a new
+replica is started in its place (bounded attempts, doubling backoff) and joins the
+balancer only once it holds the trainer's weight version: at the next weight sync, or
+earlier through `admit` while the trainer waits (for a batch, or for a validation) with
+its weights still the version it last synced. A sync that loses every replica waits for
+the replacement and brings it to the version, so no sync returns with nothing to serve.
+
+Guests are replicas the pool does not sync, only watches while they are in the balancer
+(hybrid replicas during validation, `offbeat.core.trainer.hybrid`): a dead guest is
+removed from the balancer and reported in `lost_guests`, never replaced here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from offbeat.ckpt_engine import CheckpointEngineManager, SyncResult
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["NoReplicasLeft", "Replacement", "ReplicaPool"]
+
 
 class NoReplicasLeft(RuntimeError):
-    """Every rollout replica was removed."""
+    """Every rollout replica was removed (and none is being replaced)."""
+
+
+@dataclass
+class Replacement:
+    """How the pool replaces a removed replica. `start(dead_id, new_id, dead)` frees what
+    the dead replica held (e.g. kills its actor; `dead` is None when that is done), starts
+    `new_id` in its place and returns it once it answers; it raises when the start failed.
+    A replica slot gets up to `attempts` failed starts (or failed first syncs) in a row:
+    the first start at once, retry k after `backoff_s * 2**(k-1)` seconds; a replacement
+    that joins resets the count. 0 attempts: dead replicas are only removed."""
+
+    start: Callable[[str, str, Any], Awaitable[Any]]
+    attempts: int = 3
+    backoff_s: float = 5.0
+
+
+def _merged(a: SyncResult, b: SyncResult) -> SyncResult:
+    """Two syncs to one version as one result (phase times and bytes add up)."""
+    phase_s = dict(a.phase_s)
+    for k, v in b.phase_s.items():
+        phase_s[k] = phase_s.get(k, 0.0) + v
+    return SyncResult(
+        a.version,
+        succeeded=[*a.succeeded, *(i for i in b.succeeded if i not in a.succeeded)],
+        failed={**a.failed, **b.failed},
+        phase_s=phase_s,
+        phase_spans={**b.phase_spans, **a.phase_spans},
+        replica_spans={**a.replica_spans, **b.replica_spans},
+        bytes=a.bytes + b.bytes,
+        buckets=a.buckets + b.buckets,
+    )
+
+
+def _base_id(server_id: str) -> str:
+    return re.sub(r"-r\d+$", "", server_id)
 
 
 class ReplicaPool:
     """`servers`: server_id -> replica. `balancer`: the object the rollout client leases
-    from (anything with `remove_servers(ids)`). `on_pause(bool)` is called around each
-    weight sync (the rollout clock stops while the replicas are paused)."""
+    from (anything with `add_servers(mapping)` and `remove_servers(ids)`). `on_pause(bool)`
+    is called around each weight sync (the rollout clock stops while the replicas are
+    paused). `replacement`: start new replicas for removed ones (None: only remove)."""
 
     def __init__(
         self,
@@ -35,6 +86,7 @@ class ReplicaPool:
         *,
         health_timeout_s: float = 30.0,
         on_pause: Callable[[bool], None] | None = None,
+        replacement: Replacement | None = None,
     ) -> None:
         if not servers:
             raise ValueError("ReplicaPool: no rollout replicas")
@@ -43,48 +95,198 @@ class ReplicaPool:
         self.manager = manager
         self.health_timeout_s = health_timeout_s
         self.on_pause = on_pause
+        self.replacement = replacement
         self.removed: dict[str, str] = {}
         self.last_sync: SyncResult | None = None
         self._lock = asyncio.Lock()
+        # Replacements: being started (dead id -> task), started and waiting for weights
+        # (new id -> replica), and the history (dead id -> new id; dead id -> why not).
+        self.replacing: dict[str, asyncio.Task] = {}
+        self.joining: dict[str, Any] = {}
+        self.replaced: dict[str, str] = {}
+        self.gave_up: dict[str, str] = {}
+        self.started: dict[str, Any] = {}  # every replica the pool started (to shut down)
+        self._generation: dict[str, int] = {}  # base id -> replacements started for it
+        self._failures: dict[str, int] = {}  # base id -> failed attempts since one joined
+        self.guests: dict[str, Any] = {}
+        self.lost_guests: dict[str, str] = {}
 
     @property
     def server_ids(self) -> list[str]:
         return list(self.servers)
 
+    async def _balancer(self, method: str, arg: Any) -> Any:
+        result = getattr(self.balancer, method)(arg)
+        if asyncio.iscoroutine(result):  # an async balancer wrapper
+            result = await result
+        return result
+
     async def _remove(self, ids: Iterable[str], reason: str | Mapping[str, str]) -> None:
-        ids = [i for i in ids if i in self.servers]
+        ids = [i for i in ids if i in self.servers or i in self.guests]
         if not ids:
             return
-        result = self.balancer.remove_servers(ids)
-        if asyncio.iscoroutine(result):  # an async balancer wrapper
-            await result
+        await self._balancer("remove_servers", ids)
         for i in ids:
             why = reason[i] if isinstance(reason, Mapping) else reason
+            if i in self.guests:
+                del self.guests[i]
+                self.lost_guests[i] = why
+                logger.warning("hybrid replica %s removed: %s", i, why)
+                continue
             self.removed[i] = why
-            del self.servers[i]
+            dead = self.servers.pop(i)
             logger.warning("rollout replica %s removed: %s", i, why)
+            self._replace(i, dead)
 
+    async def remove_dead(self, reasons: Mapping[str, str]) -> None:
+        """Remove the replicas named in `reasons` (id -> why), replacing each."""
+        await self._remove(list(reasons), reasons)
+
+    # ---- replacements --------------------------------------------------------------------
+    def _replace(self, dead_id: str, dead: Any) -> None:
+        r = self.replacement
+        if r is None or r.attempts <= 0 or dead_id in self.replacing:
+            return
+        self.replacing[dead_id] = asyncio.create_task(
+            self._start_replacement(dead_id, dead, r), name=f"replace-{dead_id}"
+        )
+
+    async def _start_replacement(self, dead_id: str, dead: Any, r: Replacement) -> None:
+        base = _base_id(dead_id)
+        errors: list[str] = []
+        try:
+            while (failures := self._failures.get(base, 0)) < r.attempts:
+                if failures:
+                    await asyncio.sleep(r.backoff_s * 2 ** (failures - 1))
+                n = self._generation[base] = self._generation.get(base, 0) + 1
+                new_id = f"{base}-r{n}"
+                try:
+                    server = await r.start(dead_id, new_id, dead)
+                except Exception as e:
+                    self._failures[base] = failures + 1
+                    errors.append(f"{new_id}: {type(e).__name__}: {e}")
+                    logger.warning("replacement %s for %s failed: %s", new_id, dead_id, e)
+                    dead = None  # what the dead replica held is freed already
+                    continue
+                self.started[new_id] = server
+                self.joining[new_id] = server
+                self.replaced[dead_id] = new_id
+                logger.warning("replacement %s for %s started; it joins at the trainer's "
+                               "weight version", new_id, dead_id)  # fmt: skip
+                return
+            self.gave_up[dead_id] = "; ".join(errors) or "no attempts left"
+            logger.error("no replacement for %s after %d attempts: %s", dead_id, r.attempts, errors)
+        finally:
+            self.replacing.pop(dead_id, None)
+
+    def _failed_to_join(self, server_id: str, server: Any, why: str) -> None:
+        """A replacement that failed its weight sync: a failed attempt; try again."""
+        self.removed[server_id] = why
+        base = _base_id(server_id)
+        self._failures[base] = self._failures.get(base, 0) + 1
+        self._replace(server_id, server)
+
+    async def _wait_for_replacement(self) -> None:
+        """Until a replacement is waiting to join, or none is being started."""
+        while not self.joining and self.replacing:
+            await asyncio.wait(list(self.replacing.values()), return_when=asyncio.FIRST_COMPLETED)
+
+    def _joined(self, result: SyncResult, joiners: Mapping[str, Any]) -> dict[str, Any]:
+        return {i: s for i, s in joiners.items() if i in result.succeeded}
+
+    async def _add(self, joined: Mapping[str, Any]) -> None:
+        if joined:
+            self.servers.update(joined)
+            for i in joined:
+                self._failures.pop(_base_id(i), None)
+            await self._balancer("add_servers", dict(joined))
+
+    async def admit(self, named_tensors: Callable[[], Iterable], version: int) -> list[str]:
+        """Bring the replacements waiting to join to weight `version` (the trainer's weights
+        must be that version now) and add them to the balancer; returns their ids."""
+        async with self._lock:
+            result = await self._admit(named_tensors, version)
+            return [] if result is None else list(result.succeeded)
+
+    async def _admit(
+        self, named_tensors: Callable[[], Iterable], version: int
+    ) -> SyncResult | None:
+        """`admit` under the lock: the SyncResult of the joiners (None: nobody waited)."""
+        joiners, self.joining = self.joining, {}
+        if not joiners:
+            return None
+        stale = {i: s for i, s in joiners.items() if s.weight_version != version}
+        joined = {i: s for i, s in joiners.items() if i not in stale}
+        result = SyncResult(version, succeeded=list(joined))
+        if stale:
+            synced = await self.manager.sync(named_tensors, version, targets=stale)
+            result = _merged(result, synced)
+            joined.update(self._joined(synced, stale))
+            for i, why in synced.failed.items():
+                self._failed_to_join(i, stale[i], why)
+        await self._add(joined)
+        return result
+
+    # ---- weight sync ---------------------------------------------------------------------
     async def sync(self, named_tensors: Callable[[], Iterable], version: int) -> SyncResult:
-        """One weight sync to every live replica; replicas that fail it are removed."""
+        """One weight sync to every live replica and to the replacements waiting to join
+        (which then join); replicas that fail it are removed (and replaced)."""
         async with self._lock:
             if not self.servers:
-                raise NoReplicasLeft(f"no rollout replica left to sync; removed: {self.removed}")
+                await self._wait_for_replacement()
+            joiners, self.joining = self.joining, {}
+            if not self.servers and not joiners:
+                raise NoReplicasLeft(
+                    f"no rollout replica left to sync; removed: {self.removed}, "
+                    f"replacements given up: {self.gave_up}"
+                )
             if self.on_pause:
                 self.on_pause(True)
             try:
-                result = await self.manager.sync(named_tensors, version, targets=self.servers)
+                targets = {**self.servers, **joiners}
+                result = await self.manager.sync(named_tensors, version, targets=targets)
             finally:
                 if self.on_pause:
                     self.on_pause(False)
             self.last_sync = result
-            if result.failed:
-                await self._remove(list(result.failed), result.failed)
+            failed = dict(result.failed)
+            for i in [i for i in failed if i in joiners]:
+                self._failed_to_join(i, joiners[i], failed.pop(i))
+            await self._add(self._joined(result, joiners))
+            if failed:
+                await self._remove(list(failed), failed)
+            # Every replica was lost in this sync (it failed it, or a health check removed
+            # it meanwhile) but a replacement is on its way: wait for it and bring it to
+            # `version` now. Otherwise the trainer goes on with no replica at all, and what
+            # it awaits next (this version's validation, a batch already complete) waits
+            # for a replica that only a later sync would admit: a deadlock.
+            while not self.servers and (self.replacing or self.joining):
+                await self._wait_for_replacement()
+                more = await self._admit(named_tensors, version)
+                if more is not None:
+                    result = _merged(result, more)
             if not self.servers:
                 raise NoReplicasLeft(
-                    f"every replica failed the sync to version {version}: {result.failed}"
+                    f"every replica failed the sync to version {version}: {result.failed}; "
+                    f"replacements given up: {self.gave_up}"
                 )
+            self.last_sync = result
             return result
 
+    # ---- guests (hybrid replicas while they serve) ---------------------------------------
+    async def add_guests(self, guests: Mapping[str, Any]) -> None:
+        self.guests.update(guests)
+        await self._balancer("add_servers", dict(guests))
+
+    def remove_guests(self, ids: Iterable[str]) -> None:
+        """Stop routing to the guests `ids` now (synchronous: no request can lease one of
+        them after this returns)."""
+        ids = [i for i in ids if i in self.guests]
+        self.balancer.remove_servers(ids)  # AsyncLoadBalancer and LoadBalancer: synchronous
+        for i in ids:
+            del self.guests[i]
+
+    # ---- health --------------------------------------------------------------------------
     async def _probe(self, server: Any) -> None:
         refresh = getattr(server, "refresh", None)
         if refresh is not None:
@@ -93,10 +295,12 @@ class ReplicaPool:
             _ = server.weight_version
 
     async def check_health(self) -> list[str]:
-        """Probe every replica; remove and return the ones that do not answer."""
-        ids = list(self.servers)
+        """Probe every replica and guest; remove (and replace) and return the ones that do
+        not answer."""
+        every = {**self.servers, **self.guests}
+        ids = list(every)
         outcomes = await asyncio.gather(
-            *(asyncio.wait_for(self._probe(self.servers[i]), self.health_timeout_s) for i in ids),
+            *(asyncio.wait_for(self._probe(every[i]), self.health_timeout_s) for i in ids),
             return_exceptions=True,
         )
         dead = {
@@ -108,6 +312,23 @@ class ReplicaPool:
         return list(dead)
 
     async def on_engine_error(self, exc: BaseException) -> bool:
-        """For the agent loop: heal the pool after a failed generate; True to retry."""
+        """For the agent loop: heal the pool after a failed generate; True to retry (a
+        replacement on its way counts: the retry waits in the balancer for it)."""
         await self.check_health()
-        return bool(self.servers)
+        return bool(self.servers or self.joining or self.replacing)
+
+    def counts(self) -> dict[str, float]:
+        return {
+            "replicas/standalone": float(len(self.servers)),
+            "replicas/removed_total": float(len(self.removed)),
+            "replicas/replaced_total": float(len(self.replaced)),
+        }
+
+    async def close(self) -> None:
+        """Stop the replacements still being started."""
+        tasks = list(self.replacing.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t

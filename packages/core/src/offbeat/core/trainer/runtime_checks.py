@@ -55,17 +55,17 @@ def _weight_sync_reaches_the_replicas(cfg: Any, p: Problems) -> None:
             f"{name!r} needs resources.device in {list(backend.device_types)}, got "
             f"{r.device!r}; use shm",
         )
-    if type(r.num_nodes) is int and r.num_nodes > 1:
+    if type(r.num_nodes) is int and r.num_nodes > 1 and name != "broadcast":
         if backend.reach != "cluster":
-            why = f"runtime.ckpt_backend={name!r} moves weights within one machine only"
+            why = f"{name!r} moves weights within one machine only"
         else:
-            why = (
-                f"the job starts runtime.ckpt_backend={name!r} without options, so it does not "
-                f"cross machines (broadcast binds 127.0.0.1, disk writes a local temporary "
-                f"directory)"
-            )
+            why = f"the job starts {name!r} without options that cross machines"
         p.add(
-            "resources.num_nodes", r.num_nodes, f"{why}; multi-node runs are not built yet: set 1"
+            "runtime.ckpt_backend",
+            name,
+            f"resources.num_nodes={r.num_nodes} may put the trainer and the replicas on "
+            f"different machines and {why}; use broadcast (its store binds trainer rank "
+            f"0's node address)",
         )
 
 

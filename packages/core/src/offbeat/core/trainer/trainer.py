@@ -8,7 +8,13 @@ during the update (the buffer admits `1 + num_warmup_batches` batches ahead; a s
 interrupts in-flight requests, which the client resumes on the new weights); in `sync`
 the buffer admits one batch at a time, so generation and training alternate.
 
-Knows nothing about the concrete engines: it drives a `TrainEngine`, a `ReplicaPool`
+Validation runs in the background on the rollout replicas; with hybrid replicas
+(`offbeat.core.trainer.hybrid`) it runs as a validation cycle on the trainer's devices
+too, and the trainer waits for it. While the trainer waits for a batch, replacements of
+dead replicas join at its weight version (`ReplicaPool.admit`).
+
+Knows nothing about the concrete engines: it drives a `TrainEngine` (or a trainer group
+whose calls are coroutines), a `ReplicaPool`
 (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
 phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`).
 Step hooks see each trained batch and may add metrics (rollout record and replay).
@@ -17,6 +23,8 @@ Step hooks see each trained batch and may add metrics (rollout record and replay
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import logging
 import resource
 import time
@@ -27,8 +35,10 @@ from typing import Any
 import torch
 
 from offbeat.core import trace
+from offbeat.core.agent.metrics import agent_metrics
 from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
+from offbeat.core.config.support import needs_critic
 from offbeat.core.data import TrajectoryBatch
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from offbeat.core.trainer.replicas import ReplicaPool
@@ -95,16 +105,22 @@ def build_train_batch(
     dict the train engine reads, with advantages."""
     trajectories = [t for g in groups for t in g.trajectories]
     batch = TrajectoryBatch.pad(trajectories, pad_token_id=s.pad_token_id)
-    advantages, _ = compute_advantages(
-        s.adv_estimator,
-        rewards=batch.rewards,
-        response_mask=batch.response_mask,
-        group_uids=batch.group_uids,
-        norm_by_std=s.norm_adv_by_std_in_grpo,
+    # GAE's advantages come with the critic's values (CriticAndReference.prepare fills them).
+    advantages = (
+        torch.zeros_like(batch.rollout_log_probs)
+        if needs_critic(s.adv_estimator)
+        else compute_advantages(
+            s.adv_estimator,
+            rewards=batch.rewards,
+            response_mask=batch.response_mask,
+            group_uids=batch.group_uids,
+            norm_by_std=s.norm_adv_by_std_in_grpo,
+        )[0]
     )
     data = {
         "input_ids": torch.cat([batch.prompt_ids, batch.response_ids], dim=1),
-        "attention_mask": torch.cat([batch.prompt_mask, batch.response_mask], dim=1),
+        # Tool and template tokens of a multi-turn response are attended to, not trained.
+        "attention_mask": batch.attention_mask,
         "response_mask": batch.response_mask,
         "advantages": advantages.float(),
         "rollout_log_probs": batch.rollout_log_probs,
@@ -149,6 +165,8 @@ class Trainer:
         version_offset: int = 0,
         tracer: trace.Tracer | None = None,
         step_hooks: Sequence[Any] = (),
+        critic_ref: Any = None,
+        hybrid: Any = None,
     ) -> None:
         if settings.mode not in MODES:
             raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
@@ -170,11 +188,18 @@ class Trainer:
         self.evicted_uids: list[str] = []
         self.val_history: list[tuple[int, float]] = []
         self._val_task: asyncio.Task | None = None
+        self._val_version = 0  # the version the validation under way measures
+        self.val_abandoned: list[tuple[int, str]] = []  # (version, why)
         self.sync_results: list[Any] = []
         self.tracer = tracer or trace.Tracer(None, steps=0)  # the step timeline; default off
         # After each step, `hook.after_step(step, groups, batch, metrics)` (it may add
         # metrics; e.g. rollout record/replay); `await hook.close()` when the run ends.
         self.step_hooks = list(step_hooks)
+        # The critic and/or reference model (offbeat.core.trainer.ppo.CriticAndReference).
+        self.critic_ref = critic_ref
+        # HybridReplicas: validation cycles on the trainer's devices (None: no hybrids).
+        self.hybrid = hybrid
+        self.hybrid_metrics: list[tuple[int, dict[str, float]]] = []
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -189,7 +214,14 @@ class Trainer:
             "rng": rng_state(),
             "trained_uids": list(self.trained_uids),
             "evicted_uids": list(self.evicted_uids),
+            "critic_ref": self.critic_ref.state() if self.critic_ref is not None else None,
         }
+
+    def _other_engines(self) -> dict[str, Any]:
+        """`others=` for the checkpoint manager: engines saved beside the actor's (the
+        critic); no keyword at all without them."""
+        others = self.critic_ref.engines() if self.critic_ref is not None else {}
+        return {"others": others} if others else {}
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
@@ -200,6 +232,8 @@ class Trainer:
         set_rng_state(state["rng"])
         self.trained_uids = list(state.get("trained_uids", []))
         self.evicted_uids = list(state.get("evicted_uids", []))
+        if self.critic_ref is not None and state.get("critic_ref") is not None:
+            self.critic_ref.load_state(state["critic_ref"])
 
     async def _save(self) -> None:
         """Save in a worker thread: the rollout keeps generating meanwhile. The state is
@@ -207,16 +241,43 @@ class Trainer:
         if self.checkpoints is None:
             return
         state = self.state()
-        path = await asyncio.to_thread(self.checkpoints.save, self.step, self.engine, state)
+        path = await asyncio.to_thread(
+            self.checkpoints.save, self.step, self.engine, state, **self._other_engines()
+        )
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
     # ---- validation ----------------------------------------------------------------------
-    async def _finish_validation(self) -> None:
+    async def _finish_validation(self, *, weights_at_version: bool = True) -> None:
+        """Wait for the validation under way. `weights_at_version`: the trainer's weights
+        are still `self.version` (no update since the last sync), so a replacement waiting
+        to join is admitted meanwhile; a validation whose every replica died waits for it.
+        After an update they cannot be: a validation left without any replica while a
+        replacement waits is abandoned (its version's weights are gone), never awaited
+        forever."""
         if self._val_task is None:
             return
         task, self._val_task = self._val_task, None
         with trace.span("validation_wait"):
-            version, metrics = await task
+            while not task.done():
+                await asyncio.wait([task], timeout=1.0)
+                if task.done() or not self.pool.joining:
+                    continue
+                if weights_at_version:
+                    await self.pool.admit(self.engine.export_weights, self.version)
+                elif not self.pool.servers and not self.pool.guests:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    why = (
+                        "every replica serving it was lost after the trainer's weights moved "
+                        f"on; replicas removed: {self.pool.removed}"
+                    )
+                    self.val_abandoned.append((self._val_version, why))
+                    self.tracker.event(
+                        f"[validation] weight version {self._val_version} abandoned: {why}"
+                    )
+                    return
+            version, metrics = task.result()
         self.val_history.append((version, metrics["val/reward"]))
         self.tracker.log(version, metrics, advance=False)
         self.tracker.event(
@@ -233,13 +294,45 @@ class Trainer:
             return version, await self.validator.run(tag=f"v{version}")
 
         self._val_task = asyncio.create_task(run(), name=f"validation-v{version}")
+        self._val_version = version
+
+    async def _validate(self) -> None:
+        """Validate the current version: on the hybrid replicas too when there are any
+        (the trainer waits: its devices serve them), else in the background."""
+        if self.validator is None:
+            return
+        if self.hybrid is None or not self.hybrid.servers:
+            self._start_validation()
+            return
+        await self._finish_validation()
+        version = self.version
+
+        async def run() -> tuple[int, dict[str, float]]:
+            with trace.span("validation_cycle", version=version):
+                metrics, cycle = await self.hybrid.cycle(
+                    self.engine.export_weights, version,
+                    lambda: self.validator.run(tag=f"v{version}"),
+                )  # fmt: skip
+            self.hybrid_metrics.append((version, cycle))
+            return version, {**metrics, **cycle}
+
+        self._val_task = asyncio.create_task(run(), name=f"validation-cycle-v{version}")
+        self._val_version = version
+        await self._finish_validation()
 
     # ---- the loop ------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         s = self.s
+        if needs_critic(s.adv_estimator) and getattr(self.critic_ref, "critic", None) is None:
+            raise ValueError(
+                f"adv_estimator={s.adv_estimator!r} needs a critic: pass critic_ref="
+                "CriticAndReference.from_job(cfg) (offbeat.core.trainer.ppo)"
+            )
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
-            state = await asyncio.to_thread(self.checkpoints.load, path, self.engine)
+            state = await asyncio.to_thread(
+                self.checkpoints.load, path, self.engine, **self._other_engines()
+            )
             self._restore(state)
             start = self.step + 1
             self.tracker.event(f"resumed from {path} at step {start} (version {self.version})")
@@ -250,7 +343,7 @@ class Trainer:
         self.driver.start()
         try:
             if s.val_before_train and self.validator is not None:
-                self._start_validation()
+                await self._validate()
                 await self._finish_validation()
             for step in range(start, s.total_training_steps + 1):
                 with trace.span(f"step {step}", trace.MAIN_TRACK, step=step):
@@ -275,6 +368,7 @@ class Trainer:
             "version": self.version,
             "counts": self.buffer.core.counts(),
             "val_history": self.val_history,
+            "val_abandoned": self.val_abandoned,
         }
 
     def _progress(self) -> tuple[int, int]:
@@ -293,6 +387,8 @@ class Trainer:
                 )
                 if waiter.done():
                     return waiter.result()
+                if self.pool.joining:  # the weights are `self.version` while we wait
+                    await self.pool.admit(self.engine.export_weights, self.version)
                 self.driver.check()  # the failure limit, or a crashed rollout task
                 now = self._progress()
                 if now != last:
@@ -324,6 +420,8 @@ class Trainer:
         tokens0 = self.driver.tokens_generated
         await self.buffer.begin_step(step)
         self.step = step
+        if hasattr(self.engine, "begin_step"):  # a trainer group names the step in errors
+            self.engine.begin_step(step)
 
         t0 = time.perf_counter()
         with trace.span("generate_wait"):
@@ -332,15 +430,22 @@ class Trainer:
         self.trained_uids += [g.uid for g in groups]
         self.evicted_uids += [g.uid for g in evicted]
 
+        if self._val_task is not None and not self.pool.servers and not self.pool.guests:
+            # The validation under way lost every replica: only a replacement can finish
+            # it, and one is admitted at this version only while the weights still are.
+            await self._finish_validation()
         batch, data = await asyncio.to_thread(build_train_batch, groups, s)
         t0 = time.perf_counter()
         if s.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
             with trace.span("old_log_prob"):
-                data["old_log_probs"] = await asyncio.to_thread(
+                data["old_log_probs"] = await _call(
                     self.engine.compute_log_probs, data, s.temperature
                 )
         old_lp_s = time.perf_counter() - t0
+        extra: dict[str, float] = {}
+        if self.critic_ref is not None:  # ref log-probs, KL in the reward, values, GAE
+            extra = await self.critic_ref.prepare(data, batch.rewards, batch.group_uids)
 
         t0 = time.perf_counter()
         rows_per_mb = s.ppo_mini_batch_size * s.n
@@ -350,11 +455,15 @@ class Trainer:
                 for k in range(s.parameter_sync_step):
                     mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
                     with trace.span("mini-batch", index=k, epoch=epoch):
-                        update_metrics.append(await asyncio.to_thread(self.engine.update, mb))
+                        update_metrics.append(await _call(self.engine.update, mb))
         train_s = time.perf_counter() - t0
+        if self.critic_ref is not None:
+            extra.update(
+                await self.critic_ref.update_critic(data, rows_per_mb, s.parameter_sync_step)
+            )
 
         # The last validation must see only its own version: finish it before syncing.
-        await self._finish_validation()
+        await self._finish_validation(weights_at_version=False)
         t0 = time.perf_counter()
         version = self.version_offset + step
         with trace.span("sync", version=version):
@@ -364,7 +473,7 @@ class Trainer:
         self.version = version
         self.sync_results.append(result)
         if (s.test_freq > 0 and step % s.test_freq == 0) or step == s.total_training_steps:
-            self._start_validation()
+            await self._validate()
 
         step_s = time.perf_counter() - t_step
         busy = self.driver.clock.read() - busy0
@@ -400,15 +509,26 @@ class Trainer:
             "perf/trainer_idle_frac": wait_s / step_s if step_s > 0 else 0.0,
             "perf/rollout_idle_frac": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
             "memory/trainer_peak_rss_gb": _peak_rss_gb(),
+            **self.pool.counts(),
         }
+        metrics.update(agent_metrics([t for g in groups for t in g.trajectories]))
         for phase, secs in result.phase_s.items():
             metrics[f"timing/sync_{phase}_s"] = secs
         metrics.update(_merge_updates(update_metrics))
+        metrics.update(extra)
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
         for hook in self.step_hooks:
             hook.after_step(step, groups, batch, metrics)
         return metrics
+
+
+async def _call(method: Any, *args: Any) -> Any:
+    """An engine call off the event loop: awaited when the engine's method is a coroutine
+    (a TrainerGroup awaits its ranks), else run in a worker thread."""
+    if inspect.iscoroutinefunction(method):
+        return await method(*args)
+    return await asyncio.to_thread(method, *args)
 
 
 def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:

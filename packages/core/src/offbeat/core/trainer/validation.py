@@ -2,7 +2,9 @@
 
 Knows nothing about training: it runs the agent loop (one sample per prompt, greedy by
 default) through the same client and balancer the training rollout uses, so validation
-requests interleave with training generation on the same replicas.
+requests interleave with training generation on the same replicas. `baselines` are
+other agents scored on the same rows in the same run (e.g. the policy without its tools:
+`val/reward_no_tools`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Validator:
         *,
         sampling: Mapping[str, Any] | None = None,
         max_concurrency: int = 64,
+        baselines: Mapping[str, Any] | None = None,
     ) -> None:
         if not rows:
             raise ValueError("Validator: no validation rows")
@@ -31,6 +34,7 @@ class Validator:
         self.rows = list(rows)
         self.sampling = dict(sampling if sampling is not None else {"temperature": 0.0})
         self.max_concurrency = max_concurrency
+        self.baselines = dict(baselines or {})
 
     @classmethod
     def from_job(
@@ -46,18 +50,27 @@ class Validator:
     async def run(self, tag: str = "val") -> dict[str, float]:
         sem = asyncio.Semaphore(self.max_concurrency)
 
-        async def one(i: int, row: Mapping[str, Any]) -> tuple[float, float, bool]:
+        async def one(agent: Any, i: int, row: Mapping[str, Any]) -> tuple[float, float, bool]:
             async with sem:
                 try:
-                    (t,) = await self.agent.sample(f"{tag}-{i}", row, 1, self.sampling)
+                    (t,) = await agent.sample(f"{tag}-{i}", row, 1, self.sampling)
                 except GroupFailed:
                     return 0.0, 0.0, False
                 return t.reward, float(len(t.response_ids)), True
 
-        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(self.rows)))
+        runs = [
+            asyncio.gather(*(one(agent, i, r) for i, r in enumerate(self.rows)))
+            for agent in (self.agent, *self.baselines.values())
+        ]
+        results, *others = await asyncio.gather(*runs)
         rewards = [r for r, _, _ in results]
         lengths = [n for _, n, ok in results if ok]
+        extra = {
+            f"val/reward_{name}": sum(r for r, _, _ in res) / len(res)
+            for name, res in zip(self.baselines, others, strict=True)
+        }
         return {
+            **extra,
             "val/reward": sum(rewards) / len(rewards),
             "val/exact": sum(r >= 1.0 for r in rewards) / len(rewards),
             "val/response_length": sum(lengths) / len(lengths) if lengths else 0.0,

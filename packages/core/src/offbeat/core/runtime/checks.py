@@ -1,0 +1,144 @@
+"""Validation rules for the runtime's placement keys: the trainer group and the pools
+(with a critic / reference model in a group of its own),
+hybrid replicas (`trainer.validate_on_trainer_devices`) against that resource split, and
+the replacement of dead replicas (`runtime.replica_replace_*`).
+
+Registered with `@check` on import (the job imports this module); they run for configs
+with a `runtime` section. Knows only the config; starts nothing (whether the cluster can
+hold the pools is known only once Ray is up: `ResourcePools.create` says so then).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offbeat.core.config.validation import Problems, check
+
+
+def _positive(p: Problems, key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        p.add(key, value, "a number > 0")
+
+
+@check
+def _trainer_group_rules(cfg: Any, p: Problems) -> None:
+    rt = getattr(cfg, "runtime", None)
+    if rt is None:
+        return
+    r = cfg.resources
+    _positive(p, "runtime.trainer_num_cpus", rt.trainer_num_cpus)
+    _positive(p, "runtime.placement_timeout_s", rt.placement_timeout_s)
+    for key in ("trainer_resources", "rollout_resources"):
+        for name, amount in dict(getattr(rt, key)).items():
+            if name in ("CPU", "GPU") or isinstance(amount, bool):
+                p.add(
+                    f"runtime.{key}.{name}",
+                    amount,
+                    "a custom Ray resource name with an amount > 0 (CPUs and devices come "
+                    "from runtime.*_num_cpus and resources.*_devices)",
+                )
+            else:
+                _positive(p, f"runtime.{key}.{name}", amount)
+    if rt.trainer_in_driver is True:
+        from offbeat.core.config.support import SEPARATE_SECTIONS, separate_groups
+
+        for role in separate_groups(cfg):
+            p.add(
+                "runtime.trainer_in_driver",
+                True,
+                f"{SEPARATE_SECTIONS[role]}.placement=separate starts worker groups, the "
+                f"trainer's among them: set null (auto) or false",
+            )
+        if type(r.trainer_devices) is int and r.trainer_devices > 1:
+            p.add(
+                "runtime.trainer_in_driver",
+                True,
+                f"the driver holds one trainer rank; resources.trainer_devices="
+                f"{r.trainer_devices} runs as a worker group: set null (auto) or false",
+            )
+        if type(r.num_nodes) is int and r.num_nodes > 1:
+            p.add(
+                "runtime.trainer_in_driver",
+                True,
+                f"with resources.num_nodes={r.num_nodes} the trainer runs on its pool's node "
+                f"and syncs from there: set null (auto) or false",
+            )
+
+
+@check
+def _hybrid_replica_rules(cfg: Any, p: Problems) -> None:
+    """`trainer.validate_on_trainer_devices` against the resource split: hybrid replicas
+    live in the trainer pool, one per trainer rank, beside it."""
+    rt, t = getattr(cfg, "runtime", None), cfg.trainer
+    if rt is None:
+        return
+    if t.hybrid_sleep_level not in (1, 2) or isinstance(t.hybrid_sleep_level, bool):
+        p.add(
+            "trainer.hybrid_sleep_level",
+            t.hybrid_sleep_level,
+            "1 (free the KV cache, offload the weights) or 2 (free both)",
+        )
+    key = "trainer.validate_on_trainer_devices"
+    if t.validate_on_trainer_devices is not True:
+        from offbeat.core.config.schema import TrainerConfig
+
+        if t.hybrid_sleep_level != TrainerConfig.hybrid_sleep_level:
+            p.add(
+                "trainer.hybrid_sleep_level",
+                t.hybrid_sleep_level,
+                f"the default ({TrainerConfig.hybrid_sleep_level}) unless {key}=true "
+                "(nothing else reads it)",
+            )
+        return
+    if rt.trainer_in_driver is True:
+        p.add(
+            key,
+            True,
+            "a trainer pool for the hybrid replicas to live in, but runtime.trainer_in_driver="
+            "true runs the trainer in the driver: set runtime.trainer_in_driver to null "
+            "(auto) or false",
+        )
+    tp = cfg.rollout.tensor_parallel_size
+    if tp != 1:
+        p.add(
+            key,
+            True,
+            f"rollout.tensor_parallel_size=1: a hybrid replica lives in one trainer rank's "
+            f"bundle (one device), got rollout.tensor_parallel_size={tp}",
+        )
+    if not (t.test_freq > 0 or t.val_before_train):
+        p.add(
+            key,
+            True,
+            f"validation to serve: hybrid replicas wake only for it, but trainer.test_freq="
+            f"{t.test_freq} and trainer.val_before_train={t.val_before_train}",
+        )
+    r = cfg.resources
+    if rt.ray_address or not all(
+        isinstance(v, int | float) and not isinstance(v, bool)
+        for v in (rt.ray_num_cpus, rt.trainer_num_cpus, rt.rollout_num_cpus)
+    ):
+        return
+    if type(r.trainer_devices) is not int or type(r.rollout_devices) is not int or tp < 1:
+        return
+    need = r.trainer_devices * (rt.trainer_num_cpus + rt.rollout_num_cpus)
+    need += (r.rollout_devices // tp) * rt.rollout_num_cpus
+    if rt.ray_num_cpus < need:
+        p.add(
+            "runtime.ray_num_cpus",
+            rt.ray_num_cpus,
+            f">= {need:g}: with {key}=true each of the {r.trainer_devices} trainer bundles "
+            f"holds a rank (runtime.trainer_num_cpus={rt.trainer_num_cpus:g}) and a hybrid "
+            f"replica (runtime.rollout_num_cpus={rt.rollout_num_cpus:g}), beside "
+            f"{r.rollout_devices // tp} standalone replica bundles",
+        )
+
+
+@check
+def _replacement_rules(cfg: Any, p: Problems) -> None:
+    rt = getattr(cfg, "runtime", None)
+    if rt is None:
+        return
+    p.require_int("runtime.replica_replace_attempts", rt.replica_replace_attempts, minimum=0)
+    _positive(p, "runtime.replica_replace_backoff_s", rt.replica_replace_backoff_s)
+    _positive(p, "runtime.replica_ready_timeout_s", rt.replica_ready_timeout_s)

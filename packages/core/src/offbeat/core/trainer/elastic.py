@@ -1,0 +1,91 @@
+"""What a job starts for elastic replicas: hybrid replicas in the trainer pool (phase 1 of
+a two-phase start), replacements for dead rollout replicas, and their shutdown.
+
+Knows the job config, the pools and the rollout-engine registry (`rollout.engine`); not
+the training loop, nor what a replica does once started (`offbeat.core.trainer.hybrid`,
+`offbeat.core.trainer.replicas`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from offbeat.core.registry import ROLLOUT_ENGINES
+from offbeat.core.runtime.launch import replica_options
+
+__all__ = ["replacement_for", "shutdown_replicas", "start_hybrid_replicas"]
+
+
+async def start_hybrid_replicas(p: Any, pools: Any) -> dict[str, Any]:
+    """Phase 1 of a two-phase start: one hybrid replica per trainer rank, in the rank's
+    bundle of the trainer pool (the trainer must be built: `start_trainer`) on the rank's
+    cores; each is awaited until it answers, then put to sleep at once."""
+    from offbeat.core.cpus import share_of
+    from offbeat.core.runtime.launch import hybrid_options
+
+    cfg, rt = p.cfg, p.cfg.runtime
+    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
+    n = cfg.resources.trainer_devices
+    servers = {}
+    for r in range(n):
+        cpus = share_of(list(rt.trainer_cpus), n, r) if rt.trainer_cpus else []
+        sid = f"hybrid-{r}"
+        servers[sid] = factory(
+            cfg, str(p.model_dir), r, server_id=sid, cpus=cpus, **hybrid_options(cfg, pools, r)
+        )
+    try:
+        await asyncio.gather(*(s.refresh() for s in servers.values()))
+        level = cfg.trainer.hybrid_sleep_level
+        await asyncio.gather(*(s.sleep(level) for s in servers.values()))
+    except BaseException:
+        await shutdown_replicas(servers)
+        raise
+    return servers
+
+
+def replacement_for(p: Any, pools: Any, servers: dict[str, Any]) -> Any:
+    """How the job replaces a dead replica: kill its actor (its bundle is freed), start a
+    new one of the same index in that bundle, and wait until it answers."""
+    import ray
+
+    from offbeat.core.trainer.replicas import Replacement
+
+    cfg, rt = p.cfg, p.cfg.runtime
+    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
+    slots = {sid: i for i, sid in enumerate(servers)}  # start_replicas: rollout-<i> is i
+
+    async def kill(server: Any) -> None:
+        handle = getattr(server, "handle", None)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(ray.kill, handle)
+
+    async def start(dead_id: str, new_id: str, dead: Any) -> Any:
+        index = slots[new_id] = slots[dead_id]
+        if dead is not None:
+            await kill(dead)
+        server = factory(
+            cfg, str(p.model_dir), index, server_id=new_id, **replica_options(pools, index)
+        )
+        try:
+            await asyncio.wait_for(server.refresh(), rt.replica_ready_timeout_s)
+        except BaseException:
+            await kill(server)
+            raise
+        return server
+
+    return Replacement(start, rt.replica_replace_attempts, rt.replica_replace_backoff_s)
+
+
+async def shutdown_replicas(servers: dict[str, Any]) -> None:
+    import ray
+
+    for s in servers.values():
+        handle = getattr(s, "handle", None)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(handle.shutdown.remote(), 30)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(ray.kill, handle)

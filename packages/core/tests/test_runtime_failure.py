@@ -1,0 +1,143 @@
+"""A trainer rank that dies mid-run stops the run with an error naming the rank and the
+global step (not a hang), and a run resumed from the last checkpoint continues with the
+same accounting. Two gloo FSDP2 ranks on a local Ray drive the real training loop with
+the fakes of `trainer_fakes` (rollout servers that receive the weights rank 0 sends over
+shm)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime_group import job, on_every_rank, weights
+from trainer_fakes import Harness, check_accounting
+
+from offbeat.core.models import build_tiny_model
+from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerRankFailed
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+class DiesAtStep(TrainerGroup):
+    """Kills rank `victim`'s process (SIGKILL) when global step `kill_at` reaches its
+    update: the other rank is then in the step's collectives, or about to be."""
+
+    kill_at, victim = 3, 1
+    killed = False
+
+    async def update(self, mini_batch, temperature=None):
+        if self.step == self.kill_at and not self.killed:
+            self.killed = True
+            os.kill(self.pids[self.victim], signal.SIGKILL)
+        return await super().update(mini_batch, temperature)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny"), hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    from offbeat.core.trainer.job import RuntimeConfig, init_ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray already started in this process")
+    init_ray(RuntimeConfig(ray_num_cpus=2))
+    yield ray
+    ray.shutdown()
+
+
+async def start_group(cls, model_dir: Path) -> TrainerGroup:
+    cfg = job(model_dir, 2)
+    cfg.trainer.total_training_steps = 4
+    cfg.async_training.parameter_sync_step = 2
+    return await cls.start(cfg, 2, options=[{"num_cpus": 1}] * 2)
+
+
+def harness(tmp: Path, group: TrainerGroup, **settings) -> Harness:
+    h = Harness(tmp, engine=group, save_freq=1, **settings)
+    h.pool.manager = GroupCheckpointEngine(group, "shm", phase_timeout_s=30)
+    return h
+
+
+def test_a_dead_rank_stops_the_run_naming_it_and_the_step_then_resume_continues(
+    ray_local, model_dir, tmp_path
+):
+    async def first_run():
+        group = await start_group(DiesAtStep, model_dir)
+        h = harness(tmp_path, group, total_training_steps=4)
+        try:
+            with pytest.raises(TrainerRankFailed) as e:
+                await h.run()
+        finally:
+            group.shutdown()
+        return h, e.value
+
+    h1, err = asyncio.run(first_run())
+    assert (err.rank, err.step) == (1, 3)
+    assert "trainer rank 1 failed in update during global step 3" in str(err)
+    assert [s for s, _ in h1.checkpoints.complete()] == [1, 2]  # nothing written for step 3
+
+    async def resumed_run():
+        group = await start_group(TrainerGroup, model_dir)
+        h = harness(tmp_path, group, total_training_steps=4, resume=True)
+        try:
+            summary = await h.run()
+            sent = on_every_rank(group, weights)[0]
+        finally:
+            await h.pool.manager.aclose()
+            group.shutdown()
+        return h, summary, sent
+
+    h2, summary, sent = asyncio.run(resumed_run())
+    assert summary["steps"] == 4 and summary["version"] == 4
+    # the replicas were brought to the restored version 2, then synced at steps 3 and 4
+    assert [r.version for r in h2.trainer.sync_results] == [3, 4]
+    per_step = h1.settings.train_batch_size
+    assert h2.trainer.trained_uids[: 2 * per_step] == h1.trainer.trained_uids[: 2 * per_step]
+    assert len(h2.trainer.trained_uids) == 4 * per_step
+    check_accounting(h2)
+    server = h2.servers["s0"]
+    assert server.weight_version == 4
+    for name, w in sent.items():
+        assert torch.equal(server.weights[name], w), name
+
+
+def test_a_rank_that_hangs_fails_the_call_after_the_timeout_naming_it(ray_local):
+    ray = ray_local
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def ok(self) -> int:
+            return 1
+
+        def hang(self) -> None:
+            time.sleep(3600)
+
+    group = TrainerGroup([Rank.remote(), Rank.remote()])
+    ray.get([h.ok.remote() for h in group.handles])  # both started: only rank 1 is late
+    group.call_timeout_s = 2.0  # runtime.stall_timeout_s in a job
+    group.begin_step(7)
+
+    async def call():
+        h = group.handles
+        return await group._all("update", [h[0].ok.remote(), h[1].hang.remote()])
+
+    with pytest.raises(TrainerRankFailed) as e:
+        asyncio.run(call())
+    assert (e.value.rank, e.value.step) == (1, 7)
+    assert "trainer rank 1 failed in update during global step 7" in str(e.value)
+    assert "ranks [1] gave no answer within 2s (runtime.stall_timeout_s)" in str(e.value)
+    with pytest.raises(TrainerRankFailed):  # a failed group refuses further calls
+        asyncio.run(call())
