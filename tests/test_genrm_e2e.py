@@ -60,7 +60,7 @@ def test_policy_learns_from_judge_alone_through_parse_failures_and_a_killed_judg
     started: dict = {}
     real_start = genrm_replicas.start_judges
     monkeypatch.setattr(
-        genrm_replicas, "start_judges", lambda c: started.update(real_start(c)) or started
+        genrm_replicas, "start_judges", lambda *a: started.update(real_start(*a)) or started
     )
     metrics = tmp_path / "genrm_e2e" / "metrics.jsonl"
 

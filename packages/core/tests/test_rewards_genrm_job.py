@@ -15,6 +15,7 @@ from offbeat.core.rewards.genrm import GenRMConfig, GenRMJudge, parse_score
 from offbeat.core.rewards.genrm_replicas import (
     GenRMStepHook,
     judge_job,
+    judge_pools,
     start_judges,
     validation_agent,
 )
@@ -55,6 +56,32 @@ def test_start_judges_uses_the_rollout_factory_on_the_judge_job_only_for_genrm(m
     started.clear()
     assert start_judges(dataclasses.replace(cfg, reward=RewardConfig(genrm={"replicas": 2}))) == {}
     assert start_judges(genrm_cfg(url="http://j")) == {} and started == []
+
+
+def test_judges_go_into_a_named_pool_of_their_own(monkeypatch):
+    """`judge_pools`: "judge", a bundle per replica (judge_num_cpus CPUs each); each judge
+    is started with the scheduling strategy of its bundle there."""
+    from offbeat.core.registry import ROLLOUT_ENGINES
+
+    cfg = genrm_cfg(replicas=2, model_path="/judge", judge_num_cpus=0.5)
+    (pool,) = judge_pools(cfg)
+    assert (pool.name, pool.bundles, pool.bundle) == ("judge", 2, {"CPU": 0.5})
+    assert judge_pools(genrm_cfg(url="http://j")) == []
+    assert judge_pools(dataclasses.replace(cfg, reward=RewardConfig(genrm={"replicas": 2}))) == []
+
+    class Pools:
+        def __init__(self) -> None:
+            self.groups = {"judge": object()}
+
+        def strategy(self, name, i):
+            return (name, i)
+
+    seen = []
+    monkeypatch.setattr(ROLLOUT_ENGINES, "get", lambda name: lambda job, path, i, **o: seen.append(
+        (i, o)) or i)  # fmt: skip
+    assert start_judges(cfg, Pools()) == {"judge-0": 0, "judge-1": 1}
+    assert seen == [(0, {"scheduling_strategy": ("judge", 0)}),
+                    (1, {"scheduling_strategy": ("judge", 1)})]  # fmt: skip
 
 
 class FakePost:

@@ -2,7 +2,7 @@
 calls to them through offbeat's own LoadBalancer.
 
 Knows how to start judge replicas from the `rollout.engine` registry entry with a job
-config of their own (`judge_job`; the one place to move when named Ray pools land), how
+config of their own (`judge_job`) in a named resource pool of their own (`judge_pools`), how
 to call a replica handle (`handle.generate`, a Ray actor's `.remote` or a plain
 coroutine), and the trainer step hook that logs the judge's metrics. Judges never get
 weight syncs: nothing here hands them to the checkpoint engine. Knows nothing else of the
@@ -63,10 +63,24 @@ def resolve_judge_model(cfg: Any, cache_dir: str | Path) -> Any:
     return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, genrm=raw))
 
 
-def start_judges(cfg: Any) -> dict[str, Any]:
+def judge_pools(cfg: Any) -> list[Any]:
+    """The named resource pool the judge replicas go into (`start_pools(cfg, extra=...)`):
+    "judge", one bundle per replica shaped as a rollout replica's of `judge_job` (its
+    devices, `judge_num_cpus` CPUs); [] when no judge replica is asked for."""
+    from offbeat.core.runtime.pools import PoolSpec, pool_specs
+
+    n = int(dict(cfg.reward.genrm or {}).get("replicas", 0))
+    if cfg.reward.name != "genrm" or n <= 0:
+        return []
+    (spec,) = [s for s in pool_specs(judge_job(cfg), trainer=False) if s.name == "rollout"]
+    return [PoolSpec("judge", spec.bundles, spec.bundle)]
+
+
+def start_judges(cfg: Any, pools: Any = None) -> dict[str, Any]:
     """Start the `reward.genrm.replicas` judge replicas of `reward.genrm.model_path` (a
-    directory: `resolve_judge_model` first) from the `rollout.engine` factory, not awaited;
-    {} when none are asked for or reward.name is not genrm. They are never handed to the
+    directory: `resolve_judge_model` first) from the `rollout.engine` factory, not awaited,
+    each in its bundle of `pools`' "judge" pool when there is one (`judge_pools`); {} when
+    none are asked for or reward.name is not genrm. They are never handed to the
     checkpoint engine: no weight syncs."""
     from offbeat.core.registry import ROLLOUT_ENGINES
 
@@ -75,7 +89,12 @@ def start_judges(cfg: Any) -> dict[str, Any]:
         return {}
     job = judge_job(cfg)
     factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
-    return {f"judge-{i}": factory(job, job.model.path, i) for i in range(n)}
+    placed = pools is not None and "judge" in pools.groups
+
+    def options(i: int) -> dict[str, Any]:
+        return {"scheduling_strategy": pools.strategy("judge", i)} if placed else {}
+
+    return {f"judge-{i}": factory(job, job.model.path, i, **options(i)) for i in range(n)}
 
 
 class BalancedJudgeTransport:

@@ -660,13 +660,13 @@ async def run_with_replicas(
 async def run_job(cfg: RunConfig) -> dict[str, Any]:
     """Run `cfg` (already validated) to the end on fresh replicas (and GenRM judge
     replicas when `reward.genrm.replicas` asks for them); shut them all down after."""
-    from offbeat.core.rewards.genrm_replicas import start_judges
+    from offbeat.core.rewards.genrm_replicas import judge_pools, start_judges
 
     t0 = time.perf_counter()
     init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
-    pools = await start_pools(p.cfg)
+    pools = await start_pools(p.cfg, extra=judge_pools(p.cfg))  # genrm: the "judge" pool
     servers: dict[str, Any] = {}
     hybrids: dict[str, Any] = {}
     judges: dict[str, Any] = {}
@@ -689,7 +689,7 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
         else:
             servers = start_replicas(p, pools)
         order.append("standalone")
-        judges = start_judges(p.cfg)
+        judges = start_judges(p.cfg, pools)
         summary = await run_with_replicas(
             p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids, judges=judges
         )
