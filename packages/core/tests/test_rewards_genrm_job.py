@@ -211,6 +211,26 @@ def test_judge_sft_rows_are_labelled_by_the_rule_and_hold_both_verdicts():
     assert judge_rows(JudgeSFTConfig(n_train=400), g) == rows  # deterministic
 
 
+def test_judge_sft_negatives_hold_a_policys_near_misses():
+    """A policy's wrong answers are mostly near the answer ("11" for 12, 9 for 8): a judge
+    trained on far-off numbers alone passed them. Same-length wrong numbers within 3 of
+    the answer, and ones differing from it in one digit, must be common negatives."""
+    from offbeat.core.rewards.genrm_sft import JudgeSFTConfig, judge_rows
+
+    g = GenRMConfig(score_max=1)
+    rows = judge_rows(JudgeSFTConfig(n_train=2000), g)
+    wrong = [r for r in rows if r["rule"] == 0.0 and r["response"].isdigit()]
+    near = [r for r in wrong if abs(int(r["response"]) - int(r["reference"])) <= 3]
+    one_digit = [
+        r for r in wrong
+        if len(r["response"]) == len(r["reference"]) > 1
+        and sum(a != b for a, b in zip(r["response"], r["reference"], strict=True)) == 1
+    ]  # fmt: skip
+    assert len(near) / len(wrong) > 0.35, (len(near), len(wrong))
+    assert len(one_digit) >= 50, len(one_digit)
+    assert any(r["response"] == "11" and r["reference"] == "12" for r in rows)
+
+
 def test_judged_task_files_carry_the_question(tmp_path):
     from offbeat.core.rewards.genrm_job import write_judged_task_files
     from offbeat.core.tasks import read_parquet

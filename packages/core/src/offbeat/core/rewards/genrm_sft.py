@@ -17,7 +17,14 @@ from typing import Any
 
 from offbeat.core.rewards.genrm import GenRMConfig, parse_score, render_prompt
 
-__all__ = ["JudgeSFTConfig", "build_judge", "judge_agreement", "judge_rows", "verdict"]
+__all__ = [
+    "JudgeSFTConfig",
+    "build_judge",
+    "judge_agreement",
+    "judge_rows",
+    "judge_scores",
+    "verdict",
+]
 
 _JUNK = "0123456789+-=: abcdef"
 
@@ -44,18 +51,32 @@ def verdict(right: bool, cfg: GenRMConfig, answer: str | None = None, ref: str =
     return seen + (f"right, {cfg.score_max}" if right else f"wrong, {cfg.score_min}")
 
 
+def _wrong_number(rng: random.Random, truth: str) -> str:
+    """A number that is mostly not the answer, in the shapes a policy's wrong answers take:
+    a near miss (off by 1-3), the answer with one digit changed ("11" for 12), or any
+    number up to twice the answer's magnitude. Without the first two a judge learns to
+    tell numbers apart by length and passes a policy's near misses ("11 vs 12: right")."""
+    kind = rng.random()
+    if kind < 0.4 and truth.isdigit():
+        return str(max(0, int(truth) + rng.choice((-3, -2, -1, 1, 2, 3))))
+    if kind < 0.7 and truth.isdigit():
+        i = rng.randrange(len(truth))
+        return truth[:i] + rng.choice("0123456789") + truth[i + 1 :]
+    return str(rng.randint(0, 10 ** len(truth) * 2))
+
+
 def _response(rng: random.Random, truth: str, max_chars: int) -> str:
-    """A response in one of the shapes a policy writes: the answer, a wrong number, the
-    answer with a stray character before or after, or junk."""
+    """A response in one of the shapes a policy writes: the answer, a wrong number (near
+    misses among them), the answer with a stray character before or after, or junk."""
     kind = rng.random()
     if kind < 0.35:
         return truth
-    if kind < 0.65:
-        return str(rng.randint(0, 10 ** len(truth) * 2))
+    if kind < 0.7:
+        return _wrong_number(rng, truth)
     c = rng.choice(_JUNK)
-    if kind < 0.75:
+    if kind < 0.78:
         return (truth + c)[:max_chars]
-    if kind < 0.85:
+    if kind < 0.86:
         return (c + truth)[:max_chars]
     return "".join(rng.choice(_JUNK) for _ in range(rng.randint(1, max_chars)))
 
@@ -98,28 +119,38 @@ def build_judge(s: JudgeSFTConfig, g: GenRMConfig, model_dir: str | Path,
     return warm_start(model_dir, rows, ws, cache_dir=Path(cache_dir) / "judges")
 
 
-def judge_agreement(model_dir: str | Path, g: GenRMConfig, rows: list[dict[str, Any]]) -> dict:
-    """Greedy verdicts of the judge in `model_dir` (transformers, this process) on `rows`
-    of `judge_rows`: agreement with the rule on right and on wrong answers, parse failures."""
+def judge_scores(model_dir: str | Path, g: GenRMConfig,
+                 prompts: list[list[dict[str, str]]]) -> list[float | None]:  # fmt: skip
+    """The judge's greedy scores (transformers, this process) of chat `prompts`; None where
+    its verdict holds no score."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    hits = {True: [0, 0], False: [0, 0]}  # rule right? -> [agree, total]
-    failures = 0
+    out_scores = []
     with torch.no_grad():
-        for r in rows:
-            text = tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
+        for prompt in prompts:
+            text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
             out = model.generate(ids, max_new_tokens=g.max_tokens, do_sample=False,
                                  eos_token_id=end, pad_token_id=end)  # fmt: skip
-            score = parse_score(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), g)
-            right = r["rule"] >= 0.5
-            failures += score is None
-            hits[right][0] += score is not None and (score >= 0.5) == right
-            hits[right][1] += 1
+            verdict = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            out_scores.append(parse_score(verdict, g))
+    return out_scores
+
+
+def judge_agreement(model_dir: str | Path, g: GenRMConfig, rows: list[dict[str, Any]]) -> dict:
+    """Greedy verdicts of the judge in `model_dir` on `rows` of `judge_rows`: agreement
+    with the rule on right and on wrong answers, parse failures."""
+    hits = {True: [0, 0], False: [0, 0]}  # rule right? -> [agree, total]
+    failures = 0
+    for r, score in zip(rows, judge_scores(model_dir, g, [r["prompt"] for r in rows]), strict=True):
+        right = r["rule"] >= 0.5
+        failures += score is None
+        hits[right][0] += score is not None and (score >= 0.5) == right
+        hits[right][1] += 1
     n = len(rows)
     return {
         "agreement": (hits[True][0] + hits[False][0]) / max(n, 1),
