@@ -31,15 +31,18 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 
-STEPS = 20
-# The separate_async default trained on the rule reward reads 0.19 at version 0 and
-# 0.30-0.39 at version 15 (8 runs): ask for 4 more of the 64 prompts right.
+STEPS = 30
+VAL_EVERY = 15
+# This config reads 0.19 at version 0. Trained on the rule it read 0.34 and 0.38 at
+# version 30, on the judge 0.42 (benchmarks/genrm_figures.py); at 20 steps neither had
+# risen yet (per-step rule reward flat until about step 20; one e2e run at 20 steps read
+# 0.16, 0.14 at versions 10, 20). Ask for 4 more of the 64 prompts right.
 MARGIN = 0.06
 
 
 def genrm_config(tmp: Path, name: str, *extra: str):
     _, cfg = load_recipe_config("genrm", [
-        f"trainer.total_training_steps={STEPS}", "trainer.test_freq=10",
+        f"trainer.total_training_steps={STEPS}", f"trainer.test_freq={VAL_EVERY}",
         f"trainer.log_dir={tmp}", f"trainer.experiment_name={name}",
         "trainer.loggers=[jsonl]", "runtime.progress_bar=false", *extra,
     ])  # fmt: skip
@@ -93,7 +96,7 @@ def test_policy_learns_from_judge_alone_through_parse_failures_and_a_killed_judg
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert all("genrm/rule_reward_mean" in r for r in rows if "reward/mean" in r)
     val = summary["val_history"]
-    assert [v for v, _ in val] == [0, 10, 20]
+    assert [v for v, _ in val] == [0, VAL_EVERY, STEPS]
     assert max(r for _, r in val[1:]) >= val[0][1] + MARGIN, val  # the rule reward rose
     assert Path(summary["genrm_plot"]).read_bytes()[:4] == b"\x89PNG"
 
