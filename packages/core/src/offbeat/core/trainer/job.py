@@ -594,15 +594,18 @@ async def run_with_replicas(
         validator = Validator.from_job(cfg, val_agent, val_rows)
         if validator is not None and cfg.agent.val_without_tools:
             validator.baselines["no_tools"] = val_agent.loop("single_turn")
-        tracker = MetricsTracker(
-            run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
-            progress=rt.progress_bar,
-        )  # fmt: skip
         checkpoints = (
             None
             if cfg.trainer.save_freq < 0 and not cfg.trainer.resume
             else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
         )
+        # A run that resumes from a checkpoint continues its metrics file; any other run
+        # starts it afresh (a rerun must not read as one run of twice the steps).
+        resuming = cfg.trainer.resume and checkpoints is not None and checkpoints.latest()
+        tracker = MetricsTracker(
+            run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
+            progress=rt.progress_bar, append=bool(resuming),
+        )  # fmt: skip
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
         # The critic and the reference model, when the algorithm needs them, beside the
         # actor (critic.placement=actor, ref.placement=actor): on the trainer group's ranks
