@@ -22,7 +22,7 @@ from offbeat.core.rewards.genrm_sft import JudgeSFTConfig, build_judge
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer.job import RunConfig
 
-__all__ = ["GenRMRunConfig", "plot_genrm", "run_genrm", "write_judged_task_files"]
+__all__ = ["GenRMRunConfig", "plot_genrm", "prepare_genrm", "run_genrm", "write_judged_task_files"]
 
 
 @dataclass
