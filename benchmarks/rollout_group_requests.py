@@ -23,9 +23,13 @@ time this process and the replica's processes spent per 1k tokens (the figure le
 disturbed by other load), that of this process alone (the client: in the job it shares
 the trainer's core), and the load. `--paths ... ray-busy` repeats the job path with a
 thread computing on the trainer's core, in this process, as the job's trainer does.
+`--one-call-each` adds a third mode to the Ray paths: per-sample requests with one Ray
+call per sample (the agent loop's path before actor calls were batched, i.e. when group
+requests were asked for), and compares the group path with it as well.
 
     uv run --frozen --no-sync python benchmarks/rollout_group_requests.py \
-        [--repeats 7] [--max-tokens 4 16] [--paths direct ray ray-busy] [-- key=value ...]
+        [--repeats 7] [--max-tokens 4 16] [--paths direct ray ray-busy] [--one-call-each] \
+        [-- key=value ...]
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+PER_SAMPLE = "per-sample"
+GROUP = "group"
+ONE_CALL_EACH = "per-sample, 1 call each"
 
 
 def loadavg() -> str:
@@ -95,20 +103,21 @@ async def timed(make_calls, cpu: CpuMeter) -> dict[str, float]:
             "load": load}  # fmt: skip
 
 
-async def measure(name, per_sample, group, args, results, cpu: CpuMeter) -> None:
-    """Interleaved runs of both modes at every max_tokens; appends to `results`."""
+async def measure(name, modes, args, results, cpu: CpuMeter) -> None:
+    """Interleaved runs of every mode (`[(label, fn)]`, the group mode last) at every
+    max_tokens; appends to `results`. Run r of each mode are neighbours in time: the order
+    turns round every repeat."""
     for mt in args.max_tokens:  # warm-up (first requests, caches, Ray's worker pool)
-        await per_sample(mt, f"{name}-warm-s{mt}")
-        await group(mt, f"{name}-warm-g{mt}")
+        for i, (_, fn) in enumerate(modes):
+            await fn(mt, f"{name}-warm{i}-{mt}")
     for r in range(args.repeats):
         for mt in args.max_tokens:
-            pair = [("per-sample", per_sample), ("group", group)]
-            for mode, fn in pair if r % 2 == 0 else pair[::-1]:
-                tag = f"{name}{r}{mode}{mt}"
+            for i, (mode, fn) in enumerate(modes if r % 2 == 0 else modes[::-1]):
+                tag = f"{name}{r}m{i}-{mt}"
                 run = await timed(lambda fn=fn, mt=mt, tag=tag: fn(mt, tag), cpu)
                 results.setdefault((name, mt), {}).setdefault(mode, []).append(run)
                 print(
-                    f"  {name:<8} max_tokens={mt:<3} {mode:<10} {run['tps']:6.0f} tok/s "
+                    f"  {name:<8} max_tokens={mt:<3} {mode:<22} {run['tps']:6.0f} tok/s "
                     f"{run['cpu']:5.0f} CPU ms/1k tok ({run['client']:4.0f} client)  "
                     f"load {run['load']}"
                 )
@@ -182,6 +191,7 @@ async def main(args: argparse.Namespace) -> None:
     from offbeat.core.tasks import make_rows
     from offbeat.core.trainer.agent_loop import encode_prompt
     from offbeat.core.trainer.job import base_sampling, init_ray, pin_trainer, resolve_model
+    from offbeat.rollout_vllm.actor import RemoteRolloutServer
     from offbeat.rollout_vllm.replica import engine_kwargs_of, replica_cpus, vllm_replica
     from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig
 
@@ -219,8 +229,10 @@ async def main(args: argparse.Namespace) -> None:
         os.environ.clear()
         os.environ.update(saved)
         try:
-            await measure("direct", *calls(server.generate, server.generate_group, prompts,
-                                           params, n, in_flight), args, results, cpu)  # fmt: skip
+            per_sample, group = calls(server.generate, server.generate_group, prompts,
+                                      params, n, in_flight)  # fmt: skip
+            await measure("direct", [(PER_SAMPLE, per_sample), (GROUP, group)], args,
+                          results, cpu)  # fmt: skip
         finally:
             server.shutdown()
             pin_process(machine_cpus())  # Ray, started next, keeps every core
@@ -236,14 +248,26 @@ async def main(args: argparse.Namespace) -> None:
         client = PartialRolloutClient(
             AsyncLoadBalancer({"rollout-0": proxy}), PartialRolloutConfig(max_tokens=64)
         )
-        modes = calls(client.generate, client.generate_group, prompts, params, n, in_flight)
+        per_sample, group = calls(client.generate, client.generate_group, prompts, params, n,
+                                  in_flight)  # fmt: skip
+        modes = [(PER_SAMPLE, per_sample), (GROUP, group)]
+        if args.one_call_each:
+            # The per-sample path as it was before actor calls were batched (one Ray call
+            # per sample): the agent loop's path when group requests were asked for.
+            unbatched = RemoteRolloutServer(proxy.handle, proxy.weight_version, batched=False)
+            client1 = PartialRolloutClient(
+                AsyncLoadBalancer({"rollout-0": unbatched}), PartialRolloutConfig(max_tokens=64)
+            )
+            one_each, _ = calls(client1.generate, client1.generate_group, prompts, params, n,
+                                in_flight)  # fmt: skip
+            modes.insert(0, (ONE_CALL_EACH, one_each))
         try:
             if "ray" in args.paths:
-                await measure("ray", *modes, args, results, cpu)
+                await measure("ray", modes, args, results, cpu)
             if "ray-busy" in args.paths:
                 with busy_trainer(cfg.runtime.trainer_threads) as busy_thread:
                     cpu.exclude.add(busy_thread)
-                    await measure("ray-busy", *modes, args, results, cpu)
+                    await measure("ray-busy", modes, args, results, cpu)
         finally:
             ray.shutdown()
 
@@ -261,19 +285,24 @@ async def main(args: argparse.Namespace) -> None:
     labels = {"direct": "engine-direct", "ray": "Ray actor + client (job)",
               "ray-busy": "  same, trainer busy"}  # fmt: skip
     for (name, mt), modes in results.items():
-        a, b = modes["per-sample"], modes["group"]
-        # Run r of each mode are neighbours in time: pair them.
-        ratios = [g["tps"] / s["tps"] for s, g in zip(a, b, strict=True)]
-        cpu_ratios = [s["cpu"] / g["cpu"] for s, g in zip(a, b, strict=True)]
-        loads = [x["load"] for x in a + b]
-        print(
-            f"{labels[name]:<26}{mt:>8}{med(x['tps'] for x in a):>11.0f}"
-            f"{med(x['tps'] for x in b):>8.0f}{med(ratios):>6.2f}x"
-            f"{med(x['cpu'] for x in a):>23.0f}{med(x['cpu'] for x in b):>7.0f}"
-            f"{med(cpu_ratios):>6.2f}x{med(x['client'] for x in a):>20.0f}"
-            f"{med(x['client'] for x in b):>7.0f}{min(loads):>7.1f}-{max(loads):<6.1f}"
-        )
-        print(f"{'':<26}paired tokens/s ratios: " + ", ".join(f"{x:.2f}" for x in ratios))
+        b = modes[GROUP]
+        for base in (PER_SAMPLE, ONE_CALL_EACH):
+            if base not in modes:
+                continue
+            a = modes[base]
+            # Run r of each mode are neighbours in time: pair them.
+            ratios = [g["tps"] / s["tps"] for s, g in zip(a, b, strict=True)]
+            cpu_ratios = [s["cpu"] / g["cpu"] for s, g in zip(a, b, strict=True)]
+            loads = [x["load"] for x in a + b]
+            label = labels[name] if base == PER_SAMPLE else f"  vs {ONE_CALL_EACH}"
+            print(
+                f"{label:<26}{mt:>8}{med(x['tps'] for x in a):>11.0f}"
+                f"{med(x['tps'] for x in b):>8.0f}{med(ratios):>6.2f}x"
+                f"{med(x['cpu'] for x in a):>23.0f}{med(x['cpu'] for x in b):>7.0f}"
+                f"{med(cpu_ratios):>6.2f}x{med(x['client'] for x in a):>20.0f}"
+                f"{med(x['client'] for x in b):>7.0f}{min(loads):>7.1f}-{max(loads):<6.1f}"
+            )
+            print(f"{'':<26}paired tokens/s ratios: " + ", ".join(f"{x:.2f}" for x in ratios))
     print(f"load average at end: {Path('/proc/loadavg').read_text().strip()}")
     print("target: group tokens/s >= 1.5x per-sample for n=8 with short responses")
 
@@ -286,6 +315,11 @@ if __name__ == "__main__":
     ap.add_argument(
         "--paths", nargs="+", default=["direct", "ray"],
         choices=["direct", "ray", "ray-busy"],
+    )  # fmt: skip
+    ap.add_argument(
+        "--one-call-each", action="store_true",
+        help="Ray paths: also run per-sample requests with one Ray call per sample (the "
+        "path before actor calls were batched) and compare the group path with it",
     )  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="job config overrides (key=value)")
     asyncio.run(main(ap.parse_args()))

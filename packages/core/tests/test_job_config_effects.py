@@ -71,7 +71,8 @@ def test_steps_within_epochs():
 
 def test_total_epochs_bounds_the_run_the_lr_horizon_and_the_progress(model_dir, data):
     cfg = job(data, f"model.path={model_dir}", "trainer.total_epochs=1")
-    assert cfg.trainer.total_training_steps == 60
+    configured = cfg.trainer.total_training_steps  # the recipe's default (100)
+    assert configured > 10
     p = prepare(cfg)
     assert p.cfg.trainer.total_training_steps == 10  # 40 rows / 4 prompts per step
     assert TrainerSettings.from_job(p.cfg).total_training_steps == 10
@@ -79,7 +80,9 @@ def test_total_epochs_bounds_the_run_the_lr_horizon_and_the_progress(model_dir, 
     assert FSDP2Config.from_job_config(p.cfg).optim.total_updates == 10 * s
     assert "trainer.total_epochs=1 leaves 10 steps" in run_header(p, 1, 0.0)
     # Without it the configured step count stands.
-    assert prepare(job(data, f"model.path={model_dir}")).cfg.trainer.total_training_steps == 60
+    assert prepare(job(data, f"model.path={model_dir}")).cfg.trainer.total_training_steps == (
+        configured
+    )
 
 
 @pytest.mark.parametrize(

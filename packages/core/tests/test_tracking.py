@@ -100,3 +100,22 @@ def test_cli_keeps_progress_bars_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stdout", Tty())
     cli.main(["recipes"])
     assert "TQDM_DISABLE" not in os.environ
+
+
+def _steps_in(path) -> list[float]:
+    return [json.loads(x)["step"] for x in path.read_text().splitlines()]
+
+
+def test_a_fresh_run_replaces_the_metrics_file_and_a_resumed_one_continues_it(tmp_path):
+    first = MetricsTracker(tmp_path, ("jsonl",), progress=False)
+    for step in (1, 2, 3):
+        first.log(step, {"reward/mean": 0.1})
+    first.close()
+    resumed = MetricsTracker(tmp_path, ("jsonl",), progress=False, append=True)
+    resumed.log(4, {"reward/mean": 0.2})
+    resumed.close()
+    assert _steps_in(resumed.jsonl_path) == [1.0, 2.0, 3.0, 4.0]
+    fresh = MetricsTracker(tmp_path, ("jsonl",), progress=False, append=False)
+    fresh.log(1, {"reward/mean": 0.3})
+    fresh.close()
+    assert _steps_in(fresh.jsonl_path) == [1.0]

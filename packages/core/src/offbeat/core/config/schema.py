@@ -212,6 +212,7 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to every reward function
     # data_source -> user function "pkg.mod:fn" or "path/to/file.py:fn" (before the registry)
     functions: dict[str, str] = field(default_factory=dict)
+    genrm: dict[str, Any] = field(default_factory=dict)  # LLM judge (offbeat.core.rewards.genrm)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Reward functions keyed by the dataset's `data_source`."""
 
 from offbeat.core.rewards import checks as _checks  # noqa: F401  (registers the config rules)
+from offbeat.core.rewards import genrm as _genrm  # noqa: F401  (registers `genrm`)
 from offbeat.core.rewards.latex import answers_match, as_number, last_boxed, normalize_answer
 from offbeat.core.rewards.math_datasets import (
     GSM8K_SOURCES,

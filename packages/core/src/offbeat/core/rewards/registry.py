@@ -200,3 +200,32 @@ class RewardRegistry:
         if value != value:  # NaN
             raise RewardError(f"reward {data_source!r} returned NaN")
         return value
+
+    def score_group(
+        self,
+        data_source: str,
+        responses: list[str],
+        ground_truth: Any,
+        extra_info: Mapping[str, Any] | None = None,
+    ) -> list[float]:
+        """The rewards of one prompt's responses: in one call where the scorer has a
+        `score_group(responses, ground_truth, **kw) -> list` attribute (e.g. `genrm`,
+        which judges them concurrently), else one `score` each; raises `RewardError`."""
+        fn = self.get(data_source)
+        group = getattr(fn, "score_group", None)
+        if group is None:
+            return [self.score(data_source, r, ground_truth, extra_info) for r in responses]
+        try:
+            values = call_reward_fn(
+                group, list(responses), ground_truth, data_source=data_source,
+                extra_info=extra_info, kwargs=self.kwargs,
+            )  # fmt: skip
+            values = [float(v) for v in values]
+        except Exception as e:  # any scorer bug must become a failed group, never a crash
+            raise RewardError(f"reward {data_source!r} raised {type(e).__name__}: {e}") from e
+        if len(values) != len(responses) or any(v != v for v in values):
+            raise RewardError(
+                f"reward {data_source!r} returned {len(values)} values (NaN?) for "
+                f"{len(responses)} responses"
+            )
+        return values

@@ -179,6 +179,9 @@ class SingleTurnAgentLoop:
             else:
                 texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
         try:
+            group = getattr(self.rewards, "score_group", None)  # one call: judged concurrently
+            if group is not None:
+                return group(source, list(texts), truth, extra_info)
             return [self.rewards.score(source, text, truth, extra_info) for text in texts]
         except RewardError as e:
             raise GroupFailed(str(e)) from e

@@ -474,6 +474,10 @@ def prepare(cfg: RunConfig) -> Prepared:
         model=dataclasses.replace(cfg.model, path=str(model_dir)),
         trainer=dataclasses.replace(t, total_training_steps=steps),
     )
+    if job.reward.name == "genrm":
+        from offbeat.core.rewards.genrm_replicas import resolve_judge_model
+
+        job = resolve_judge_model(job, cache_dir)
     return Prepared(
         job, model_dir, train_files, val_files, time.perf_counter() - t0, notes, cfg.model.path
     )
@@ -509,18 +513,22 @@ async def run_with_replicas(
     side: Any = None,
     hybrids: dict[str, Any] | None = None,
     hooks: JobHooks | None = None,
+    judges: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the trainer side around running `servers` and train to the end.
 
     `version_offset=None` reads the version the replicas hold (0 for fresh ones). A trainer
     group goes into `pools`' trainer pool, or into a pool of its own made here. `side`: a
     trainer already built (a two-phase start: `run_job`), closed here at the end;
-    `hybrids`: its hybrid replicas, asleep."""
+    `hybrids`: its hybrid replicas, asleep. `judges`: GenRM judge replicas (`start_judges`)
+    for `reward.name=genrm`; they sit behind a balancer of their own and never join the
+    weight sync."""
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.agent.loops import build_agent
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
+    from offbeat.core.rewards.genrm_replicas import start_judge, validation_agent
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
@@ -554,6 +562,7 @@ async def run_with_replicas(
         cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
     )
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
+    judge_hook = await start_judge(cfg, judges or {})  # None unless reward.name=genrm
     if version_offset is None:
         version_offset = max(int(s.weight_version) for s in servers.values())
     ready_s = time.perf_counter() - t0
@@ -599,18 +608,22 @@ async def run_with_replicas(
         )  # fmt: skip
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        validator = (hooks.make_validator or Validator.from_job)(cfg, agent, val_rows)
+        val_agent = validation_agent(cfg, agent)  # genrm: the rule with val_reward=task
+        validator = (hooks.make_validator or Validator.from_job)(cfg, val_agent, val_rows)
         if validator is not None and cfg.agent.val_without_tools:
-            validator.baselines["no_tools"] = agent.loop("single_turn")
-        tracker = MetricsTracker(
-            run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
-            progress=rt.progress_bar,
-        )  # fmt: skip
+            validator.baselines["no_tools"] = val_agent.loop("single_turn")
         checkpoints = (
             None
             if cfg.trainer.save_freq < 0 and not cfg.trainer.resume
             else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
         )
+        # A run that resumes from a checkpoint continues its metrics file; any other run
+        # starts it afresh (a rerun must not read as one run of twice the steps).
+        resuming = cfg.trainer.resume and checkpoints is not None and checkpoints.latest()
+        tracker = MetricsTracker(
+            run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
+            progress=rt.progress_bar, append=bool(resuming),
+        )  # fmt: skip
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
         # The critic and the reference model, when the algorithm needs them, beside the
         # actor (critic.placement=actor, ref.placement=actor): on the trainer group's ranks
@@ -629,8 +642,9 @@ async def run_with_replicas(
         trainer = Trainer(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=memory,
-            version_offset=version_offset, tracer=tracer, step_hooks=rr.hooks, hybrid=hybrid,
-            critic_ref=critic_ref, batch_hook=hooks.batch_hook,
+            version_offset=version_offset, tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
+            step_hooks=[*rr.hooks, *([judge_hook] if judge_hook else [])],
+            batch_hook=hooks.batch_hook,
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
         try:
@@ -645,6 +659,8 @@ async def run_with_replicas(
         await side.close()
         if own_pools is not None:
             own_pools.remove()
+        if judge_hook is not None:
+            await judge_hook.close()  # idempotent: the trainer closes its hooks too
     summary.update(
         {
             "run_dir": str(run_dir),
@@ -656,6 +672,7 @@ async def run_with_replicas(
             "replaced_replicas": dict(pool.replaced),
             "hybrid_events": list(hybrid.events) if hybrid is not None else [],
             "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
+            "genrm": judge_hook.summary() if judge_hook is not None else None,
             "trainer": trainer,
         }
     )
@@ -663,14 +680,18 @@ async def run_with_replicas(
 
 
 async def run_job(cfg: RunConfig) -> dict[str, Any]:
-    """Run `cfg` (already validated) to the end on fresh replicas; shut them down after."""
+    """Run `cfg` (already validated) to the end on fresh replicas (and GenRM judge
+    replicas when `reward.genrm.replicas` asks for them); shut them all down after."""
+    from offbeat.core.rewards.genrm_replicas import judge_pools, start_judges
+
     t0 = time.perf_counter()
     init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
-    pools = await start_pools(p.cfg)
+    pools = await start_pools(p.cfg, extra=judge_pools(p.cfg))  # genrm: the "judge" pool
     servers: dict[str, Any] = {}
     hybrids: dict[str, Any] = {}
+    judges: dict[str, Any] = {}
     order: list[str] = []
     try:
         side = None
@@ -690,11 +711,12 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
         else:
             servers = start_replicas(p, pools)
         order.append("standalone")
+        judges = start_judges(p.cfg, pools)
         summary = await run_with_replicas(
-            p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids
+            p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids, judges=judges
         )
     finally:
-        await shutdown_replicas({**servers, **hybrids})
+        await shutdown_replicas({**servers, **hybrids, **judges})
         pools.remove()
     summary["total_wall_s"] = time.perf_counter() - t0
     summary["start_order"] = order

@@ -85,6 +85,7 @@ class MetricsTracker:
         progress: bool = True,
         start_step: int = 0,
         stream: TextIO | None = None,
+        append: bool = True,
     ) -> None:
         unknown = sorted(set(loggers) - set(LOGGERS))
         if unknown:
@@ -96,7 +97,8 @@ class MetricsTracker:
         self.loggers = tuple(loggers)
         self.history: list[dict[str, float]] = []
         self.jsonl_path = self.log_dir / "metrics.jsonl"
-        self._jsonl = open(self.jsonl_path, "a") if "jsonl" in self.loggers else None  # noqa: SIM115
+        mode = "a" if append else "w"  # `append=False`: a fresh run replaces the old file
+        self._jsonl = open(self.jsonl_path, mode) if "jsonl" in self.loggers else None  # noqa: SIM115
         self._tb = None
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
