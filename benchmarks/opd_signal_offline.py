@@ -11,7 +11,9 @@ Arms, each from the same warm-started student, same prompts per update, same Ada
 - `k1-clip`: k1 clamped at `-clip`; `k1-clip-centred`: clamped to [-clip, clip], centred;
 - `prob`: a bounded advantage, p_teacher - p_student of the sampled token;
 - `exact`: the full-vocabulary reverse KL at the sampled prefixes (no engine gives the
-  job this; the ceiling of the per-token signal).
+  job this; the ceiling of the per-token signal);
+- `topk-fkl`: forward KL to the teacher's top-`--topk` log-probs at the sampled prefixes
+  (what an engine's top-k prompt log-probs give), the teacher's top-k renormalised.
 `--warm-steps` / `--warm-lr` change the student's warm start (cached like the job's).
 Printed per arm every `--every` updates: reverse KL per task (token mean, on the
 update's samples), the share of sampled tokens the teacher gives < e^-16 ("garbage"),
@@ -44,6 +46,7 @@ def main() -> None:
     ap.add_argument("--warm-steps", type=int, default=None, help="default: the recipe's")
     ap.add_argument("--warm-lr", type=float, default=None, help="default: the recipe's")
     ap.add_argument("--clip", type=float, default=5.0, help="k1-clip: advantages >= -clip")
+    ap.add_argument("--topk", type=int, default=20, help="topk-fkl: teacher log-probs kept")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -150,7 +153,7 @@ def main() -> None:
                     sel = torch.tensor([r[d.teacher_key] == name for r in rows])
                     if sel.any():
                         t_lp[sel] = token_lp(teacher, ids[sel], mask[sel], width)
-                        if arm == "exact":
+                        if arm in ("exact", "topk-fkl"):
                             full = torch.log_softmax(
                                 logits(teacher, ids[sel], mask[sel])[:, -(width + 1) : -1], -1
                             )
@@ -170,6 +173,13 @@ def main() -> None:
                     am[i, -len(a) :] = 1
                 loss = -(lp * am).sum() / am.sum()
                 s_lp = token_lp(student, ids, mask, width).detach()
+            elif arm == "topk-fkl":  # forward KL to the teacher's top-k at the sampled prefixes
+                full = torch.log_softmax(logits(student, ids, mask)[:, -(width + 1) : -1], -1)
+                t_top, t_idx = t_full.topk(args.topk, -1)
+                t_p = torch.softmax(t_top, -1)  # renormalised over the top-k
+                ce = -(t_p * full.gather(-1, t_idx)).sum(-1)
+                loss = (ce * m).sum() / m.sum()
+                s_lp = full.gather(-1, ids[:, -width:, None])[..., 0].detach()
             elif arm == "exact":  # full-vocabulary reverse KL at the sampled prefixes
                 full = torch.log_softmax(logits(student, ids, mask)[:, -(width + 1) : -1], -1)
                 kl = (full.exp() * (full - t_full)).sum(-1)

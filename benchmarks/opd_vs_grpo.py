@@ -4,7 +4,9 @@ task reward, same student, dataset, seeds and rollout budget.
 For each seed it runs the default `opd` job (`offbeat run opd`, no overrides but the
 seed) and then the same job as plain GRPO on the task reward (the separate_async job on
 the same mixed dataset, warm-started student, batch, n, steps, validation schedule; no
-teachers). Printed, per seed and as the median over seeds, beside their baselines:
+teachers) at `--grpo-lr` (default 3e-4: a policy-gradient loss on this tiny student is
+undone at the 1e-3 the top-k OPD loss trains at; pass the OPD lr to compare at one lr).
+Printed, per seed and as the median over seeds, beside their baselines:
 - student / teacher validation reward per task (target >= 0.90);
 - the first validated step where OPD's validation reward reaches GRPO's final one,
   over GRPO's step count (target <= 1/3).
@@ -34,7 +36,7 @@ def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
     return next((step for step, reward in curve if reward >= target - 1e-9), None)
 
 
-def one_seed(seed: int, extra: list[str]) -> dict:
+def one_seed(seed: int, extra: list[str], grpo_lr: float | None) -> dict:
     import ray
 
     from offbeat.core.cli import load_recipe_config
@@ -62,7 +64,9 @@ def one_seed(seed: int, extra: list[str]) -> dict:
         cfg,
         data=dataclasses.replace(cfg.data, train_files=train, val_files=val),
         trainer=dataclasses.replace(cfg.trainer, experiment_name=f"grpo-s{seed}"),
+        actor=dataclasses.replace(cfg.actor, lr=cfg.actor.lr if grpo_lr is None else grpo_lr),
     )
+    print(f"[seed {seed}] opd lr {cfg.actor.lr}, grpo lr {grpo_cfg.actor.lr}", flush=True)
     print(f"[seed {seed}] grpo: loadavg before {loadavg()}", flush=True)
     try:
         grpo = asyncio.run(run_job(grpo_cfg))
@@ -91,9 +95,11 @@ def one_seed(seed: int, extra: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--grpo-lr", type=float, default=3e-4, help="<= 0: the OPD job's lr")
     args, extra = ap.parse_known_args()
     seeds = [int(s) for s in args.seeds.split(",")]
-    results = [one_seed(s, extra) for s in seeds]
+    grpo_lr = args.grpo_lr if args.grpo_lr > 0 else None
+    results = [one_seed(s, extra, grpo_lr) for s in seeds]
     print("\n| seed | task | student | teacher (baseline) | student/teacher |")
     print("|---|---|---|---|---|")
     per_task: dict[str, list[float]] = {}

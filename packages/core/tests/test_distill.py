@@ -16,6 +16,8 @@ from offbeat.core.distill import (
     ADVANTAGES,
     TEACHER_ID,
     TEACHER_LOG_PROBS,
+    TEACHER_TOP_IDS,
+    TEACHER_TOP_LOG_PROBS,
     DistillationConfig,
     TeacherConfig,
     TeacherPool,
@@ -134,6 +136,15 @@ class FakeTeacher:
         await asyncio.sleep(0)
         return [-t / 100 for t in token_ids[start:]]
 
+    async def compute_top_log_probs(self, request_id, token_ids, start, k):
+        lps = await self.compute_log_probs(request_id, token_ids, start)
+        # the top-k at each position: the next k ids, most likely first
+        return {
+            "log_probs": lps,
+            "top_ids": [[t + j for j in range(k)] for t in token_ids[start:]],
+            "top_log_probs": [[-0.1 * (j + 1) for j in range(k)] for _ in lps],
+        }
+
 
 def test_pool_scores_on_the_named_teacher_and_retries_then_raises():
     a, b = FakeTeacher(), FakeTeacher(fail=1)
@@ -170,6 +181,62 @@ def test_agent_loop_stores_teacher_log_probs_beside_the_students():
     assert [t.extras[TEACHER_LOG_PROBS] for t in trajs] == [[-0.03, -0.04], [-0.03, -0.05]]
     assert all(t.extras[TEACHER_ID] == 1.0 for t in trajs)
     assert teacher.calls == [([1, 2, 3, 4], 2), ([1, 2, 3, 5], 2)]
+
+
+def test_top_k_mode_stores_the_teachers_top_k_and_pads_them_to_b_r_k():
+    from offbeat.core.data import TrajectoryBatch
+
+    teacher = FakeTeacher(fail=1)  # the retry path serves top-k calls too
+    pool = TeacherPool({"math": {"m": teacher}}, max_retries=1, retry_delay_s=0)
+    loop = DistillAgentLoop(FakeAgent(), TeacherRouter(["math"]), pool, top_k=3)
+    trajs = asyncio.run(loop.sample("g", {"data_source": "math"}, 2))
+    assert trajs[1].extras[TEACHER_LOG_PROBS] == [-0.03, -0.05]
+    assert trajs[1].extras[TEACHER_TOP_IDS] == [[3, 4, 5], [5, 6, 7]]
+    assert trajs[0].extras[TEACHER_TOP_LOG_PROBS][0] == pytest.approx([-0.1, -0.2, -0.3])
+    longer = Trajectory(
+        prompt_ids=[1], response_ids=[3, 4, 5], rollout_log_probs=[-1.0] * 3,
+        extras={TEACHER_TOP_IDS: [[1, 2, 3]] * 3, TEACHER_TOP_LOG_PROBS: [[0.0] * 3] * 3,
+                TEACHER_LOG_PROBS: [0.0] * 3, TEACHER_ID: 0.0},
+    )  # fmt: skip
+    batch = TrajectoryBatch.pad([*trajs, longer], pad_token_id=0)
+    ids = batch.extras[TEACHER_TOP_IDS]
+    assert ids.shape == (3, 3, 3)
+    assert ids[1, :2].tolist() == [[3, 4, 5], [5, 6, 7]] and ids[1, 2].tolist() == [0, 0, 0]
+    assert batch.extras[TEACHER_LOG_PROBS].shape == (3, 3)
+
+
+def test_top_k_batch_hook_hands_the_engine_the_top_k_and_no_k1_advantage():
+    from types import SimpleNamespace
+
+    from offbeat.core.data import TrajectoryBatch
+    from offbeat.core.distill.job import make_batch_hook
+    from offbeat.core.train.loss import TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS
+
+    pool = TeacherPool({"math": {"m": FakeTeacher()}}, retry_delay_s=0)
+    router = TeacherRouter(["math"])
+    trajs = asyncio.run(
+        DistillAgentLoop(FakeAgent(), router, pool, top_k=2).sample("g", {"data_source": "math"}, 2)
+    )
+    for t in trajs:
+        t.reward = 1.0
+    batch = TrajectoryBatch.pad(trajs, pad_token_id=0)
+    data = {
+        "rollout_log_probs": batch.rollout_log_probs,
+        "response_mask": batch.response_mask,
+        "advantages": torch.ones(2, 2),
+    }
+    settings = SimpleNamespace(norm_adv_by_std_in_grpo=True)
+    d = DistillationConfig(loss="topk_forward_kl", top_k=2)
+    metrics = make_batch_hook(d, router, pool, settings)(batch, data)
+    assert data[TEACHER_TOPK_IDS].dtype == torch.long
+    assert data[TEACHER_TOPK_IDS][0].tolist() == [[3, 4], [4, 5]]
+    assert data[TEACHER_TOPK_LOG_PROBS].shape == (2, 2, 2)
+    assert (data["advantages"] == 0).all()  # reward_weight 0: the KL term is the signal
+    assert metrics["distill/math/reverse_kl"] == pytest.approx(-1.0 + 0.04, abs=0.02)
+    # reverse_kl keeps the k1 advantage and hands no top-k to the engine
+    data2 = {k: v for k, v in data.items() if not k.startswith("teacher_topk")}
+    make_batch_hook(DistillationConfig(), router, pool, settings)(batch, data2)
+    assert TEACHER_TOPK_IDS not in data2 and (data2["advantages"] != 0).any()
 
 
 def test_a_teacher_that_keeps_failing_fails_the_group_not_the_run():
@@ -220,6 +287,20 @@ def test_an_unknown_advantage_mode_is_rejected_naming_the_choices():
     cfg.distillation.advantage = "k3"
     found = problems(cfg)["distillation.advantage"]
     assert "'k3'" in found and "k1_centred" in found
+
+
+def test_top_k_loss_is_checked_and_needs_the_fsdp2_engine():
+    tiny = TeacherConfig(model="offbeat-tiny:tiny")
+    cfg = opd_config(math=tiny, char_match=tiny)
+    cfg.distillation.loss = "topk_forward_kl"
+    assert problems(cfg) == {}
+    cfg.distillation.top_k = 0
+    assert "distillation.top_k" in problems(cfg)
+    cfg.distillation.top_k = 20
+    cfg.actor.engine = "megatron"
+    assert "fsdp2 engine only" in problems(cfg)["distillation.loss"]
+    cfg.distillation.loss = "forward"
+    assert "reverse_kl" in problems(cfg)["distillation.loss"]
 
 
 def test_parquet_keys_are_read_for_the_routing_check(tmp_path):

@@ -565,3 +565,53 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     _worker(*args.worker, args.device)
+
+
+def test_topk_forward_kl_term_is_the_teachers_renormalised_top_k_and_is_learnt(model_dir):
+    # On-policy distillation's top-k mode: zero advantages, so only the forward-KL term to
+    # the teacher's top-k moves the policy; the first update reports the KL the plain
+    # model gives, and repeated updates pull the policy onto the teacher's tokens.
+    from transformers import AutoModelForCausalLM
+
+    from offbeat.core.train.loss import TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS
+
+    rows, k = 6, 3
+    batch = make_batch(rows, seed=4)
+    width = batch["response_mask"].shape[1]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(VOCAB - 1, generator=g)[:k] + 1 for _ in range(rows * width)])
+    teacher = torch.log_softmax(torch.tensor([3.0, 1.0, 0.0]), -1).expand(rows, width, k)
+    batch = {
+        **batch,
+        "advantages": torch.zeros(rows, width),
+        TEACHER_TOPK_IDS: ids.view(rows, width, k),
+        TEACHER_TOPK_LOG_PROBS: teacher - 0.5,  # not normalised: the loss renormalises
+    }
+    engine = make_engine(model_dir, lr=1e-2, loss=PPOLossConfig(topk_kl_coef=1.0))
+    batch = with_old_log_probs(engine, batch)
+
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    mask = batch["attention_mask"]
+    with torch.no_grad():
+        logits = plain(
+            input_ids=batch["input_ids"], attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+        ).logits[:, -width - 1 : -1]  # fmt: skip
+    student = torch.log_softmax(logits, -1).gather(-1, batch[TEACHER_TOPK_IDS])
+    q = torch.softmax(teacher, -1)
+    per_token = (q * (q.log() - student)).sum(-1)
+    rmask = batch["response_mask"]
+    want = float((per_token * rmask).sum() / rmask.sum())
+
+    first = engine.update(batch)
+    assert first["actor/topk_forward_kl"] == pytest.approx(want, rel=1e-4)
+    for _ in range(15):
+        last = engine.update(batch)
+    assert last["actor/topk_forward_kl"] < 0.5 * first["actor/topk_forward_kl"]
+
+
+def test_a_top_k_loss_without_the_teachers_fields_is_refused(model_dir):
+    engine = make_engine(model_dir, loss=PPOLossConfig(topk_kl_coef=1.0))
+    batch = with_old_log_probs(engine, make_batch(4, seed=6))
+    with pytest.raises(KeyError, match="teacher_topk_ids"):
+        engine.update(batch)

@@ -83,15 +83,16 @@ def to_sampling_params(params: Mapping[str, Any], n: int = 1) -> SamplingParams:
     return sp
 
 
-def score_params() -> SamplingParams:
+def score_params(top_k: int = 0) -> SamplingParams:
     """The params of a scoring request (`compute_log_probs`): the log-probability of every
-    prompt token (`prompt_logprobs=0`: the given token's only) at temperature 1 with no
-    truncation, and one generated token, which nobody reads."""
+    prompt token (`prompt_logprobs=0`: the given token's only; `top_k`: also the k most
+    likely tokens at each position) at temperature 1 with no truncation, and one
+    generated token, which nobody reads."""
     return SamplingParams(
         max_tokens=1,
         temperature=1.0,
         top_p=1.0,
-        prompt_logprobs=0,
+        prompt_logprobs=top_k,
         detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )

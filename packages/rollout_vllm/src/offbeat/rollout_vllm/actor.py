@@ -94,6 +94,11 @@ class RemoteRolloutServer:
     ) -> list[float]:
         return await self.handle.compute_log_probs.remote(request_id, list(token_ids), start)
 
+    async def compute_top_log_probs(
+        self, request_id: str, token_ids: list[int], start: int, k: int
+    ) -> dict[str, list]:
+        return await self.handle.compute_top_log_probs.remote(request_id, list(token_ids), start, k)
+
     async def abort_all(self) -> None:
         await self.handle.abort_all.remote()
 

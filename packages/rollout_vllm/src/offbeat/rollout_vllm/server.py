@@ -276,13 +276,37 @@ class VLLMRolloutServer:
         generating a single token at temperature 1, so the scores are the plain
         log-softmax of the logits. Raises RuntimeError when `abort_all()` interrupts it
         (a partial answer has no scores)."""
+        ids, plps = await self._prompt_logprobs(request_id, token_ids, start, 0)
+        return [float(plps[i][ids[i]].logprob) for i in range(start, len(ids))]
+
+    async def compute_top_log_probs(
+        self, request_id: str, token_ids: list[int], start: int, k: int
+    ) -> dict[str, list]:
+        """`compute_log_probs` plus, at each scored position, the `k` most likely tokens
+        and their log-probabilities (most likely first): `{"log_probs", "top_ids",
+        "top_log_probs"}`, one entry per token of `token_ids[start:]`. `k` is at most the
+        engine's `max_logprobs` (vLLM's default 20)."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r}: expected an int >= 1 (top log-probs per position)")
+        ids, plps = await self._prompt_logprobs(request_id, token_ids, start, k)
+        lps, top_ids, top_lps = [], [], []
+        for i in range(start, len(ids)):
+            ranked = sorted(plps[i].items(), key=lambda kv: kv[1].rank)[:k]
+            lps.append(float(plps[i][ids[i]].logprob))
+            top_ids.append([int(t) for t, _ in ranked])
+            top_lps.append([float(lp.logprob) for _, lp in ranked])
+        return {"log_probs": lps, "top_ids": top_ids, "top_log_probs": top_lps}
+
+    async def _prompt_logprobs(
+        self, request_id: str, token_ids: list[int], start: int, top_k: int
+    ) -> tuple[list[int], list[Any]]:
         ids = self._check_prompt(token_ids)
         if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start <= len(ids):
             raise ValueError(
                 f"start={start!r}: expected an int in [1, {len(ids)}] (the first scored "
                 "position; position 0 has no context)"
             )
-        out, _ = await self._run(request_id, ids, score_params())
+        out, _ = await self._run(request_id, ids, score_params(top_k))
         if out.outputs and out.outputs[0].finish_reason == "abort":
             raise RuntimeError(f"compute_log_probs({request_id}) aborted on {self.server_id}")
         plps = out.prompt_logprobs
@@ -291,7 +315,7 @@ class VLLMRolloutServer:
                 f"vLLM returned {None if plps is None else len(plps)} prompt log-probs for "
                 f"{len(ids)} tokens (request {request_id})"
             )
-        return [float(plps[i][ids[i]].logprob) for i in range(start, len(ids))]
+        return ids, plps
 
     async def _run(self, request_id: str, ids: list[int], sp: Any) -> tuple[Any, int]:
         """One vLLM request through admission to its final output; returns that output

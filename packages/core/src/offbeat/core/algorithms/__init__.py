@@ -24,7 +24,13 @@ from offbeat.core.algorithms.aggregation import (
     zero_masked,
 )
 from offbeat.core.algorithms.correction import RolloutCorrection, rollout_correction
-from offbeat.core.algorithms.kl import entropy_from_logits, entropy_loss, kl_loss, kl_penalty
+from offbeat.core.algorithms.kl import (
+    entropy_from_logits,
+    entropy_loss,
+    kl_loss,
+    kl_penalty,
+    topk_forward_kl,
+)
 from offbeat.core.algorithms.kl_control import (
     KL_CONTROLLERS,
     AdaptiveKLController,
@@ -66,6 +72,7 @@ __all__ = [
     "rollout_correction",
     "sequence_to_token_rewards",
     "token_mean_kl",
+    "topk_forward_kl",
     "value_loss",
     "zero_masked",
 ]

@@ -11,7 +11,13 @@ import torch
 from offbeat.core.algorithms.aggregation import LossNormalizer, agg_loss, zero_masked
 from offbeat.core.registry import KL_ESTIMATORS
 
-__all__ = ["entropy_from_logits", "entropy_loss", "kl_loss", "kl_penalty"]
+__all__ = [
+    "entropy_from_logits",
+    "entropy_loss",
+    "kl_loss",
+    "kl_penalty",
+    "topk_forward_kl",
+]
 
 _MAX_LOG_RATIO = 20.0
 
@@ -56,6 +62,18 @@ def kl_loss(
     Log-probs on masked tokens are never read (NaN there leaves loss and gradient finite)."""
     log_probs, ref_log_probs = zero_masked(log_probs, mask), zero_masked(ref_log_probs, mask)
     return agg_loss(kl_penalty(log_probs, ref_log_probs, kind, clamp), mask, mode, normalizer)
+
+
+def topk_forward_kl(
+    log_probs_topk: torch.Tensor, teacher_log_probs_topk: torch.Tensor
+) -> torch.Tensor:
+    """Per-token forward KL(q || pi) over the teacher's top-k tokens: `[..., k]` log-probs
+    of the same k token ids under the policy (with gradient) and the teacher; q is the
+    teacher's top-k renormalised to sum to 1 (the mass outside the top-k is dropped, as
+    top-k distillation does). Returns `[...]`, >= 0 up to the policy's own mass outside
+    the k tokens."""
+    q_log = torch.log_softmax(teacher_log_probs_topk.detach().float(), dim=-1)
+    return (q_log.exp() * (q_log - log_probs_topk.float())).sum(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

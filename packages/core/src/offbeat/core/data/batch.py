@@ -38,7 +38,8 @@ class Trajectory:
     # only; never padded into the batch.
     info: dict[str, float] = field(default_factory=dict)
     # Per-row extras: a float (a scalar per trajectory) or a list aligned with
-    # response_ids (e.g. advantages, old log-probs).
+    # response_ids (e.g. advantages, old log-probs), whose items may themselves be
+    # equal-length lists (k values per token: padded to [B, R, k]).
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,7 +137,10 @@ class TrajectoryBatch:
             if any(name not in t.extras for t in trajectories):
                 raise ValueError(f"TrajectoryBatch.pad: extra {name!r} missing on some rows")
             per_token = isinstance(trajectories[0].extras[name], list | tuple | torch.Tensor)
-            extras[name] = torch.zeros((b, r) if per_token else (b,), dtype=torch.float32)
+            # k values per token: the width of the first non-empty row's first token.
+            inner = next((tuple(torch.as_tensor(v[0]).shape) for t in trajectories
+                          if len(v := t.extras[name]) > 0), ()) if per_token else ()  # fmt: skip
+            extras[name] = torch.zeros((b, r, *inner) if per_token else (b,), dtype=torch.float32)
         for i, t in enumerate(trajectories):
             n, m = len(t.prompt_ids), len(t.response_ids)
             if n:
@@ -150,7 +154,7 @@ class TrajectoryBatch:
                 log_probs[i, :m] = torch.as_tensor(t.rollout_log_probs, dtype=torch.float32)
             for name, out in extras.items():
                 value = t.extras[name]
-                if out.dim() == 2:
+                if out.dim() >= 2:
                     if len(value) != m:
                         raise ValueError(
                             f"TrajectoryBatch.pad: extra {name!r} has {len(value)} values "

@@ -18,8 +18,11 @@ from offbeat.core.algorithms.advantages import grpo_advantages
 
 __all__ = [
     "ADVANTAGES",
+    "LOSSES",
     "TEACHER_ID",
     "TEACHER_LOG_PROBS",
+    "TEACHER_TOP_IDS",
+    "TEACHER_TOP_LOG_PROBS",
     "opd_advantages",
     "reverse_kl_by_teacher",
 ]
@@ -31,6 +34,15 @@ ADVANTAGES = ("k1", "k1_centred")
 # Trajectory extras the distillation agent loop writes and the trainer hook reads.
 TEACHER_LOG_PROBS = "teacher_log_probs"
 TEACHER_ID = "teacher_id"
+# With distillation.loss=topk_forward_kl: per response token, the teacher's k most likely
+# next tokens and their log-probs ([B, R, k] once padded; the ids as floats, exact below
+# 2^24).
+TEACHER_TOP_IDS = "teacher_top_ids"
+TEACHER_TOP_LOG_PROBS = "teacher_top_log_probs"
+# The loss: "reverse_kl" (the k1 policy-gradient advantage above) or "topk_forward_kl"
+# (forward KL to the teacher's renormalised top-k at each sampled prefix, added to the
+# policy loss by the train engine; the advantage is then the reward mix only).
+LOSSES = ("reverse_kl", "topk_forward_kl")
 
 
 def opd_advantages(

@@ -17,7 +17,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from offbeat.core.data import Trajectory
-from offbeat.core.distill.advantages import TEACHER_ID, TEACHER_LOG_PROBS
+from offbeat.core.distill.advantages import (
+    TEACHER_ID,
+    TEACHER_LOG_PROBS,
+    TEACHER_TOP_IDS,
+    TEACHER_TOP_LOG_PROBS,
+)
 from offbeat.core.distill.teachers import TeacherPool, TeacherRouter, TeacherScoringError
 from offbeat.core.trainer.agent_loop import GroupFailed
 
@@ -25,12 +30,17 @@ __all__ = ["DistillAgentLoop"]
 
 
 class DistillAgentLoop:
-    """`agent` (the student's loop) + teacher scoring; see the module docstring."""
+    """`agent` (the student's loop) + teacher scoring; see the module docstring.
+    `top_k > 0`: also the teacher's k most likely tokens at each response position (the
+    top-k forward-KL loss)."""
 
-    def __init__(self, agent: Any, router: TeacherRouter, teachers: TeacherPool) -> None:
+    def __init__(
+        self, agent: Any, router: TeacherRouter, teachers: TeacherPool, *, top_k: int = 0
+    ) -> None:
         self.agent = agent
         self.router = router
         self.teachers = teachers
+        self.top_k = top_k
 
     def __getattr__(self, name: str) -> Any:  # the inner loop's tokenizer, client, ...
         return getattr(self.agent, name)
@@ -43,21 +53,28 @@ class DistillAgentLoop:
         except KeyError as e:
             raise GroupFailed(str(e)) from e
         trajectories = await self.agent.sample(uid, row, n, sampling)
+        k = self.top_k
         try:
             scores = await asyncio.gather(
                 *(
-                    self.teachers.score(
-                        teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids)
-                    )
+                    self.teachers.score_top(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids), k)
+                    if k
+                    else self.teachers.score(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids))
                     for t in trajectories
                     if t.response_ids
                 )
-            )
+            )  # fmt: skip
         except TeacherScoringError as e:
             raise GroupFailed(str(e)) from e
         it = iter(scores)
         index = float(self.router.index(teacher))
         for t in trajectories:
-            t.extras[TEACHER_LOG_PROBS] = next(it) if t.response_ids else []
+            s = next(it) if t.response_ids else None
+            if k:
+                t.extras[TEACHER_LOG_PROBS] = s["log_probs"] if s else []
+                t.extras[TEACHER_TOP_IDS] = s["top_ids"] if s else []
+                t.extras[TEACHER_TOP_LOG_PROBS] = s["top_log_probs"] if s else []
+            else:
+                t.extras[TEACHER_LOG_PROBS] = s if s else []
             t.extras[TEACHER_ID] = index
         return trajectories

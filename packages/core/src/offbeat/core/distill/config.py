@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from offbeat.core.config.validation import Problems, check
-from offbeat.core.distill.advantages import ADVANTAGES
+from offbeat.core.distill.advantages import ADVANTAGES, LOSSES
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 
 __all__ = ["DistillationConfig", "TeacherConfig", "TeacherSFTConfig", "route_keys"]
@@ -61,6 +61,12 @@ class DistillationConfig:
     # the step's batch: a constant baseline, the same gradient in expectation, far less
     # variance when the student is many nats per token from its teacher).
     advantage: str = "k1"
+    # `loss`: "reverse_kl" (the advantage above, the published recipe) or
+    # "topk_forward_kl": forward KL to the teacher's `top_k` most likely tokens at each
+    # sampled prefix (renormalised), added to the policy loss with weight kl_coef; the
+    # advantage is then the reward mix only (`advantage` is not read).
+    loss: str = "reverse_kl"
+    top_k: int = 20  # topk_forward_kl: teacher log-probs per token (vLLM: max_logprobs)
     kl_coef: float = 1.0
     reward_weight: float = 0.0
     max_retries: int = 2  # per trajectory; then its group fails (never the run)
@@ -155,6 +161,15 @@ def _distillation_rules(cfg: Any, p: Problems) -> None:
             )
     p.require_int("distillation.max_retries", d.max_retries, minimum=0)
     p.require_choice("distillation.advantage", d.advantage, ADVANTAGES)
+    p.require_choice("distillation.loss", d.loss, LOSSES)
+    if d.loss == "topk_forward_kl":
+        p.require_int("distillation.top_k", d.top_k, minimum=1)
+        if cfg.actor.engine != "fsdp2":
+            p.add(
+                "distillation.loss", d.loss,
+                f"reverse_kl with actor.engine={cfg.actor.engine!r} (the top-k forward-KL "
+                "term is built into the fsdp2 engine only)",
+            )  # fmt: skip
     if d.kl_coef < 0 or d.reward_weight < 0:
         p.add("distillation.kl_coef/reward_weight", (d.kl_coef, d.reward_weight), "numbers >= 0")
     keys = route_keys(cfg)

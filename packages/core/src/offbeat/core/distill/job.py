@@ -22,11 +22,15 @@ from offbeat.core.distill import config as _distill_checks  # noqa: F401  (regis
 from offbeat.core.distill.advantages import (
     TEACHER_ID,
     TEACHER_LOG_PROBS,
+    TEACHER_TOP_IDS,
+    TEACHER_TOP_LOG_PROBS,
     opd_advantages,
     reverse_kl_by_teacher,
 )
 from offbeat.core.distill.config import DistillationConfig
 from offbeat.core.distill.teachers import TeacherPool, TeacherRouter
+from offbeat.core.train.loss import TEACHER_TOPK_IDS as TOPK_IDS
+from offbeat.core.train.loss import TEACHER_TOPK_LOG_PROBS as TOPK_LOG_PROBS
 from offbeat.core.trainer.job import RunConfig
 
 __all__ = [
@@ -54,6 +58,8 @@ def teacher_job(cfg: RunConfig, d: DistillationConfig, name: str) -> RunConfig:
     kwargs = dict(cfg.rollout.engine_kwargs)
     if "max_model_len" in kwargs:  # prompt + the whole response, and the one scoring token
         kwargs["max_model_len"] = int(kwargs["max_model_len"]) + 1
+    if d.loss == "topk_forward_kl" and cfg.rollout.engine == "vllm" and d.top_k > 20:
+        kwargs["max_logprobs"] = max(int(kwargs.get("max_logprobs", 20)), d.top_k)
     return dataclasses.replace(
         cfg,
         rollout=dataclasses.replace(
@@ -114,13 +120,19 @@ def make_batch_hook(d: DistillationConfig, router: TeacherRouter, pool: TeacherP
     """The trainer's batch hook: OPD advantages in place of the reward's, and per-teacher
     reverse KL, tokens, routed groups and scoring latency."""
 
+    topk = d.loss == "topk_forward_kl"
+
     def hook(batch: Any, data: dict[str, Any]) -> dict[str, float]:
         teacher_lp = batch.extras[TEACHER_LOG_PROBS]
         data["advantages"] = opd_advantages(
-            data["rollout_log_probs"], teacher_lp, data["response_mask"], kl_coef=d.kl_coef,
+            data["rollout_log_probs"], teacher_lp, data["response_mask"],
+            kl_coef=0.0 if topk else d.kl_coef,  # top-k: the engine's loss term carries it
             rewards=batch.rewards, group_uids=batch.group_uids, reward_weight=d.reward_weight,
             norm_by_std=s.norm_adv_by_std_in_grpo, mode=d.advantage,
         )  # fmt: skip
+        if topk:  # [B, R, k]: the train engine's forward-KL term reads them
+            data[TOPK_IDS] = batch.extras[TEACHER_TOP_IDS].round().long()
+            data[TOPK_LOG_PROBS] = batch.extras[TEACHER_TOP_LOG_PROBS]
         metrics = reverse_kl_by_teacher(
             data["rollout_log_probs"], teacher_lp, data["response_mask"],
             batch.extras[TEACHER_ID], router.names,
@@ -211,7 +223,9 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
 
         agents: list[Any] = []
         hooks = JobHooks(
-            wrap_agent=lambda agent: DistillAgentLoop(agent, router, pool),
+            wrap_agent=lambda agent: DistillAgentLoop(
+                agent, router, pool, top_k=d.top_k if d.loss == "topk_forward_kl" else 0
+            ),
             batch_hook=make_batch_hook(d, router, pool, settings),
             make_validator=make_validator,
         )

@@ -85,6 +85,23 @@ class TeacherPool:
         """The teacher's log-prob of each of `token_ids[start:]`. A failed or timed-out
         call retries (another replica where the balancer has one) up to `max_retries`
         times, then raises TeacherScoringError."""
+        out = await self._score(
+            teacher, lambda h, rid: h.compute_log_probs(rid, token_ids, start),
+            len(token_ids) - start, lambda r: r,
+        )  # fmt: skip
+        return [float(x) for x in out]
+
+    async def score_top(
+        self, teacher: str, token_ids: list[int], start: int, k: int
+    ) -> dict[str, list]:
+        """`score`, plus the teacher's `k` most likely tokens at each scored position:
+        `{"log_probs", "top_ids", "top_log_probs"}` (`compute_top_log_probs`)."""
+        return await self._score(
+            teacher, lambda h, rid: h.compute_top_log_probs(rid, token_ids, start, k),
+            len(token_ids) - start, lambda r: r["log_probs"],
+        )  # fmt: skip
+
+    async def _score(self, teacher: str, call: Any, expect: int, log_probs: Any) -> Any:
         balancer = self.balancers[teacher]
         self._calls += 1
         rid = f"{teacher}-score-{self._calls}"
@@ -93,9 +110,8 @@ class TeacherPool:
             t0 = time.perf_counter()
             try:
                 async with balancer.lease(rid, timeout=self.timeout_s) as lease:
-                    lps = await asyncio.wait_for(
-                        lease.handle.compute_log_probs(f"{rid}-{attempt}", token_ids, start),
-                        self.timeout_s,
+                    out = await asyncio.wait_for(
+                        call(lease.handle, f"{rid}-{attempt}"), self.timeout_s
                     )
             except asyncio.CancelledError:
                 raise
@@ -107,12 +123,13 @@ class TeacherPool:
                 )
                 await asyncio.sleep(self.retry_delay_s * (attempt + 1))
                 continue
-            if len(lps) != len(token_ids) - start:
-                last = RuntimeError(f"{len(lps)} log-probs for {len(token_ids) - start} tokens")
+            n = len(log_probs(out))
+            if n != expect:
+                last = RuntimeError(f"{n} log-probs for {expect} tokens")
                 self._add(teacher, errors=1)
                 continue
-            self._add(teacher, calls=1, tokens=len(lps), latency_s=time.perf_counter() - t0)
-            return [float(x) for x in lps]
+            self._add(teacher, calls=1, tokens=n, latency_s=time.perf_counter() - t0)
+            return out
         raise TeacherScoringError(
             f"teacher {teacher!r} could not score a sequence after {self.max_retries + 1} "
             f"attempts: {type(last).__name__}: {last}"

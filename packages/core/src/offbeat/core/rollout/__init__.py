@@ -9,9 +9,11 @@ from offbeat.core.rollout.protocol import (
     ScoringRolloutServer,
     StopReason,
     TokenOutput,
+    TopKScoringRolloutServer,
     sample_params,
     supports_group,
     supports_scoring,
+    supports_top_scoring,
 )
 
 __all__ = [
@@ -23,7 +25,9 @@ __all__ = [
     "ScoringRolloutServer",
     "StopReason",
     "TokenOutput",
+    "TopKScoringRolloutServer",
     "sample_params",
     "supports_group",
     "supports_scoring",
+    "supports_top_scoring",
 ]

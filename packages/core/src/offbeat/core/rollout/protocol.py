@@ -121,6 +121,30 @@ class ScoringRolloutServer(RolloutServer, Protocol):
     ) -> list[float]: ...
 
 
+@runtime_checkable
+class TopKScoringRolloutServer(ScoringRolloutServer, Protocol):
+    """A `ScoringRolloutServer` that also returns the model's top-k alternatives at each
+    scored position (a teacher for the top-k forward-KL loss; `supports_top_scoring`).
+
+    `compute_top_log_probs(request_id, token_ids, start, k)` returns a dict of three lists,
+    one entry per position of `token_ids[start:]`: `log_probs` (the given token's, as
+    `compute_log_probs`), `top_ids` (the k most likely next tokens given the tokens
+    before, most likely first) and `top_log_probs` (their log-probabilities, temperature
+    1, not renormalised).
+    """
+
+    async def compute_top_log_probs(
+        self, request_id: str, token_ids: list[int], start: int, k: int
+    ) -> dict[str, list]: ...
+
+
+def supports_top_scoring(server: Any) -> bool:
+    """Whether `server` (a RolloutServer or a Ray actor handle of one) has
+    `compute_top_log_probs`."""
+    method = getattr(server, "compute_top_log_probs", None)
+    return method is not None and (callable(method) or hasattr(method, "remote"))
+
+
 def supports_scoring(server: Any) -> bool:
     """Whether `server` (a RolloutServer or a Ray actor handle of one) has
     `compute_log_probs`."""

@@ -42,7 +42,12 @@ from offbeat.core.train.flops import (
     training_flops,
 )
 from offbeat.core.train.logprob_head import LogProbHead, supports_log_prob_head
-from offbeat.core.train.loss import PPOLoss, PPOLossConfig
+from offbeat.core.train.loss import (
+    STUDENT_TOPK_LOG_PROBS,
+    TEACHER_TOPK_IDS,
+    PPOLoss,
+    PPOLossConfig,
+)
 from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
 
 __all__ = ["FSDP2Config", "FSDP2TrainEngine", "hf_name"]
@@ -301,12 +306,21 @@ class FSDP2TrainEngine:
         return self._model(**self._model_kwargs(mb)).logits[:, -(width + 1) : -1, :]
 
     def _forward(
-        self, mb: dict[str, Any], temperature: float, with_entropy: bool
+        self, mb: dict[str, Any], temperature: float, with_entropy: bool, topk: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) of the response tokens. `topk`: also the log-probs of
+        the ids in `mb[TEACHER_TOPK_IDS]` ([B, R, k]), written to
+        `mb[STUDENT_TOPK_LOG_PROBS]` (full logits: the fused head gives one id per token)."""
         input_ids = mb["input_ids"]
         width = mb["response_mask"].shape[1]
         kwargs = self._model_kwargs(mb)
-        if self._head is not None:
+        if topk:
+            logits = self._model(**kwargs).logits[:, -(width + 1) : -1, :] / temperature
+            full = torch.log_softmax(logits.float(), dim=-1)
+            log_probs = full.gather(-1, input_ids[:, -width:, None])[..., 0]
+            mb[STUDENT_TOPK_LOG_PROBS] = full.gather(-1, mb[TEACHER_TOPK_IDS].long())
+            entropy = _batch.entropy_from_logits(logits) if with_entropy else None
+        elif self._head is not None:
             with self._head.request(input_ids[:, -width:], temperature, with_entropy):
                 out = self._model(**kwargs).logits  # [B, W, 1 or 2]: log-prob (, entropy)
             log_probs, entropy = out[..., 0], (out[..., 1] if with_entropy else None)
@@ -395,7 +409,9 @@ class FSDP2TrainEngine:
             real = i < len(micro)
             mb = micro[i] if real else micro[-1]
             with trace.span("micro-batch", index=i, rows=int(mb["response_mask"].shape[0])):
-                log_probs, entropy = self._forward(mb, temperature, with_entropy)
+                log_probs, entropy = self._forward(
+                    mb, temperature, with_entropy, topk=bool(getattr(self._loss_fn, "needs_topk", False))
+                )  # fmt: skip
                 # The loss is already scaled by loss_scale = dp size: FSDP averages gradients
                 # over ranks, and the sum of the shares is what the mini-batch gradient is.
                 loss, mb_metrics = self._loss_fn(log_probs, entropy, mb, norm)

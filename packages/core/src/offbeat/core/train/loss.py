@@ -19,16 +19,30 @@ import torch
 from offbeat.core.algorithms import (
     AGG_MODES,
     LossNormalizer,
+    agg_loss,
     entropy_loss,
     kl_loss,
     kl_penalty,
     masked_mean,
     ppo_loss,
     rollout_correction,
+    topk_forward_kl,
 )
 from offbeat.core.train.engine import batch_field
 
-__all__ = ["PPOLoss", "PPOLossConfig"]
+__all__ = [
+    "STUDENT_TOPK_LOG_PROBS",
+    "TEACHER_TOPK_IDS",
+    "TEACHER_TOPK_LOG_PROBS",
+    "PPOLoss",
+    "PPOLossConfig",
+]
+
+# The top-k forward-KL term (on-policy distillation): [B, R, k] teacher token ids and
+# log-probs in the train batch; the engine adds the policy's log-probs of the same ids.
+TEACHER_TOPK_IDS = "teacher_topk_ids"
+TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"
+STUDENT_TOPK_LOG_PROBS = "student_topk_log_probs"
 
 _IS_LEVELS = ("none", "token", "sequence")
 _IS_MODES = ("truncate", "mask")
@@ -55,6 +69,8 @@ class PPOLossConfig:
     kl_loss_type: str = "k3"
     kl_clamp: float = 10.0
     entropy_coeff: float = 0.0
+    # > 0: add topk_kl_coef x forward KL to the teacher's top-k (TEACHER_TOPK_* fields).
+    topk_kl_coef: float = 0.0
     horizon: float | None = None
 
     def validate(self, prefix: str = "loss") -> None:
@@ -81,14 +97,19 @@ class PPOLossConfig:
             )
         if not 0.0 <= self.clip_ratio_low < 1.0:
             raise ValueError(f"{prefix}.clip_ratio_low={self.clip_ratio_low!r}: must be in [0, 1)")
+        if self.topk_kl_coef < 0.0:
+            raise ValueError(f"{prefix}.topk_kl_coef={self.topk_kl_coef!r}: must be >= 0")
         if self.clip_ratio_high < 0.0:
             raise ValueError(f"{prefix}.clip_ratio_high={self.clip_ratio_high!r}: must be >= 0")
 
     @classmethod
     def from_job_config(cls, job: Any) -> PPOLossConfig:
         """From a `offbeat.core.config.JobConfig` (actor clip ratios, algorithm section,
-        rollout.max_tokens as the horizon)."""
+        rollout.max_tokens as the horizon; an OPD job's `distillation` section with
+        `loss=topk_forward_kl` sets `topk_kl_coef` to its `kl_coef`)."""
         a, alg = job.actor, job.algorithm
+        d = getattr(job, "distillation", None)
+        topk = d is not None and getattr(d, "loss", "") == "topk_forward_kl"
         return cls(
             loss_agg_mode=alg.loss_agg_mode,
             clip_ratio_low=a.clip_ratio_low,
@@ -103,6 +124,7 @@ class PPOLossConfig:
             kl_loss_type=alg.kl_loss_type,
             kl_clamp=alg.kl_clamp,
             entropy_coeff=alg.entropy_coeff,
+            topk_kl_coef=float(d.kl_coef) if topk else 0.0,
             horizon=float(job.rollout.max_tokens),
         )
 
@@ -113,13 +135,16 @@ class PPOLoss:
     Reads ``advantages``, ``rollout_log_probs`` (behaviour policy) and, when present,
     ``old_log_probs`` (proximal policy: the trainer's start-of-step weights); without
     ``old_log_probs`` it is bypass mode (proximal = behaviour, no IS correction).
-    With ``use_kl_loss`` it also reads ``ref_log_probs``.
+    With ``use_kl_loss`` it also reads ``ref_log_probs``. With ``topk_kl_coef > 0``
+    (`needs_topk`) it reads ``teacher_topk_ids`` / ``teacher_topk_log_probs`` and the
+    engine's ``student_topk_log_probs`` (the policy's log-probs of those ids).
     """
 
     def __init__(self, config: PPOLossConfig | None = None) -> None:
         self.config = config or PPOLossConfig()
         self.config.validate()
         self.needs_entropy = self.config.entropy_coeff != 0.0
+        self.needs_topk = self.config.topk_kl_coef > 0.0
         self.horizon = self.config.horizon
 
     def prepare(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
@@ -137,6 +162,9 @@ class PPOLoss:
             )
         if c.use_kl_loss:
             batch_field(batch, "ref_log_probs")
+        if self.needs_topk:
+            batch_field(batch, TEACHER_TOPK_IDS)
+            batch_field(batch, TEACHER_TOPK_LOG_PROBS)
         out = dict(batch)
         if proximal is None or behaviour is None or c.rollout_is_level == "none":
             out["old_log_probs"] = proximal if proximal is not None else behaviour
@@ -191,6 +219,11 @@ class PPOLoss:
             with torch.no_grad():
                 per_token = kl_penalty(log_probs, ref, c.kl_loss_type, c.kl_clamp)
                 metrics["actor/kl_loss"] = float(masked_mean(per_token, mask))
+        if self.needs_topk:
+            fkl = topk_forward_kl(mb[STUDENT_TOPK_LOG_PROBS], mb[TEACHER_TOPK_LOG_PROBS])
+            fkl = torch.where(mask.bool(), fkl, torch.zeros_like(fkl))  # padding: never read
+            loss = loss + c.topk_kl_coef * agg_loss(fkl, mask, c.loss_agg_mode, normalizer)
+            metrics["actor/topk_forward_kl"] = float(masked_mean(fkl.detach(), mask))
         if entropy is not None:
             loss = loss + entropy_loss(
                 entropy, mask, normalizer, coeff=c.entropy_coeff, mode=c.loss_agg_mode
