@@ -292,3 +292,23 @@ def test_parse_overrides_rejects_malformed():
     ]
     with pytest.raises(ConfigError, match=r"key\.sub=value"):
         parse_overrides(["justakey"])
+
+
+def test_actor_lr_schedule_is_checked_and_reaches_the_engine():
+    from offbeat.core.train.fsdp2 import FSDP2Config
+    from offbeat.core.train.optim import lr_factor
+
+    cfg = good(actor__lr=1e-3, actor__lr_schedule="cosine", actor__min_lr_ratio=0.1)
+    validate(cfg)
+    optim = FSDP2Config.from_job_config(cfg).optim
+    assert optim.lr_schedule == "cosine" and optim.min_lr_ratio == 0.1
+    updates = (
+        cfg.trainer.total_training_steps
+        * cfg.async_training.parameter_sync_step
+        * cfg.actor.ppo_epochs
+    )
+    assert optim.total_updates == updates
+    assert lr_factor(optim, 0) == pytest.approx(1.0)
+    assert lr_factor(optim, updates) == pytest.approx(0.1)  # the last update's LR
+    found = problems_of(good(actor__lr_schedule="linear", actor__min_lr_ratio=2.0))
+    assert "cosine" in found["actor.lr_schedule"] and "actor.min_lr_ratio" in found

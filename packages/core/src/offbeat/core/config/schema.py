@@ -90,6 +90,10 @@ class ActorConfig:
     lr: float = 1e-6
     weight_decay: float = 0.0
     lr_warmup_steps: int = 0
+    # After the warm-up: "constant", or "cosine" down to lr x min_lr_ratio at the last
+    # update (trainer.total_training_steps x parameter_sync_step x ppo_epochs updates).
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     clip_ratio_low: float = 0.2  # ratio lower bound 1 - clip_ratio_low
     clip_ratio_high: float = 0.2  # ratio upper bound 1 + clip_ratio_high

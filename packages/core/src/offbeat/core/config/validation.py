@@ -263,6 +263,10 @@ def _algorithm(cfg: Any, p: Problems) -> None:
     p.require_number("actor.clip_ratio_c", a.clip_ratio_c)
     p.require_number("actor.lr", a.lr, low=0.0)
     p.require_int("actor.lr_warmup_steps", a.lr_warmup_steps, minimum=0)
+    from offbeat.core.train.optim import LR_SCHEDULES
+
+    p.require_choice("actor.lr_schedule", a.lr_schedule, LR_SCHEDULES)
+    p.require_number("actor.min_lr_ratio", a.min_lr_ratio, low=0.0, high=1.0)
     p.require_number("critic.cliprange_value", cfg.critic.cliprange_value, low=0.0)
 
 

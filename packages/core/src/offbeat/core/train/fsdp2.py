@@ -139,6 +139,8 @@ class FSDP2Config:
                 weight_decay=a.weight_decay,
                 grad_clip=a.grad_clip,
                 warmup_updates=a.lr_warmup_steps,
+                lr_schedule=a.lr_schedule,
+                min_lr_ratio=a.min_lr_ratio,
                 total_updates=job.trainer.total_training_steps
                 * job.async_training.parameter_sync_step
                 * a.ppo_epochs,
