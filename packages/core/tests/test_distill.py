@@ -355,3 +355,23 @@ def test_each_teacher_gets_a_named_pool_with_a_bundle_per_replica():
     gpu = {s.name: dict(s.bundle) for s in teacher_pool_specs(cfg, cfg.distillation)}
     assert gpu["teacher-math"] == {"CPU": 0.5, "GPU": 1.0, "big_mem": 1.0}
     assert gpu["teacher-char_match"] == {"CPU": 0.5, "GPU": 2.0, "big_mem": 1.0}
+
+
+def test_teachers_build_side_by_side_from_a_cold_cache_into_the_same_cache(tmp_path):
+    # Two teachers on one (not yet built) base model, built in parallel threads: both
+    # come out, and a sequential build_teacher finds each in the cache (same key).
+    from offbeat.core.distill.build import build_teacher, build_teachers
+    from offbeat.core.distill.config import TeacherSFTConfig
+
+    sft = dict(min_len=1, max_len=1, steps=3, batch_size=4, n_train=16)
+    teachers = {
+        "math": TeacherConfig(model="offbeat-tiny:tiny", sft=TeacherSFTConfig(task="add", **sft)),
+        "char_match": TeacherConfig(
+            model="offbeat-tiny:tiny", sft=TeacherSFTConfig(task="reverse", **sft)
+        ),
+    }
+    built = build_teachers(teachers, tmp_path)
+    assert list(built) == ["math", "char_match"] and built["math"] != built["char_match"]
+    for name, t in teachers.items():
+        assert (built[name] / "config.json").is_file()
+        assert build_teacher(t, tmp_path) == built[name]

@@ -14,7 +14,7 @@ from typing import Any
 from offbeat.core.distill.config import TeacherConfig
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig, make_rows, write_parquet
 
-__all__ = ["build_teacher", "write_mixed_task_files"]
+__all__ = ["build_teacher", "build_teachers", "write_mixed_task_files"]
 
 
 def _rows(tasks: list[SyntheticTaskConfig], *, val: bool) -> list[dict[str, Any]]:
@@ -59,3 +59,33 @@ def build_teacher(t: TeacherConfig, cache_dir: str | Path, *, prompt_key: str = 
     rows = make_rows(s.task, s.n_train, seed=s.seed + 7, min_len=s.min_len, max_len=s.max_len)
     ws = WarmStartConfig(enabled=True, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed)
     return warm_start(model_dir, rows, ws, cache_dir=cache_dir / "teachers", prompt_key=prompt_key)
+
+
+def build_teachers(
+    teachers: dict[str, TeacherConfig], cache_dir: str | Path, *, prompt_key: str = "prompt"
+) -> dict[str, Path]:
+    """`build_teacher` of every teacher, side by side: one thread and one torch thread
+    each, so a cold start spreads the supervised builds over the process's cores. The
+    base models are resolved (built once) first, one after the other, and transformers'
+    classes imported here: its lazy imports and a shared tiny-model build are not
+    thread-safe."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import transformers
+
+    from offbeat.core.trainer.job import resolve_model
+
+    for cls in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig"):
+        getattr(transformers, cls)
+    for t in teachers.values():
+        resolve_model(t.model, Path(cache_dir) / "models")
+
+    def one(t: TeacherConfig) -> Path:
+        torch.set_num_threads(1)  # per thread: the OpenMP count set elsewhere is not seen
+        return build_teacher(t, cache_dir, prompt_key=prompt_key)
+
+    if not teachers:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(teachers), thread_name_prefix="teacher-build") as ex:
+        return dict(zip(teachers, ex.map(one, teachers.values()), strict=True))

@@ -164,19 +164,10 @@ async def _evaluate_teachers(agent: Any, pool: TeacherPool, rows: list, d: Disti
     return out
 
 
-def _with_threads(threads: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` with torch's threads set in this (worker) thread first: an
-    OpenMP thread count set on another thread does not reach it."""
-    import torch
-
-    torch.set_num_threads(threads)
-    return fn(*args, **kwargs)
-
-
 async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
     """Run `cfg` (validated) to the end; shut every replica down after."""
     from offbeat.core.distill.agent_loop import DistillAgentLoop
-    from offbeat.core.distill.build import build_teacher, write_mixed_task_files
+    from offbeat.core.distill.build import build_teachers, write_mixed_task_files
     from offbeat.core.distill.report import plot_opd
     from offbeat.core.distill.validation import PerTaskValidator
     from offbeat.core.runtime.launch import start_pools
@@ -201,17 +192,11 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
         cfg = dataclasses.replace(
             cfg, data=dataclasses.replace(cfg.data, train_files=train, val_files=val)
         )
-    # Teachers built (or read from the cache) before anything is pinned: one torch thread
-    # each, side by side, so a cold start spreads them over the machine's cores.
-    built = await asyncio.gather(
-        *(
-            asyncio.to_thread(
-                _with_threads, 1, build_teacher, t, cache, prompt_key=cfg.data.prompt_key
-            )
-            for t in d.teachers.values()
-        )
+    # Teachers built (or read from the cache) before anything is pinned, side by side, so
+    # a cold start spreads them over the machine's cores.
+    teacher_dirs = await asyncio.to_thread(
+        build_teachers, dict(d.teachers), cache, prompt_key=cfg.data.prompt_key
     )
-    teacher_dirs = dict(zip(d.teachers, built, strict=True))
     init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)
