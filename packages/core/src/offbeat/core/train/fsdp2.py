@@ -402,6 +402,7 @@ class FSDP2TrainEngine:
             raise ValueError("update: the mini-batch has no response tokens on any rank")
         micro, rounds = self._micro_batches(data)
         with_entropy = bool(self._loss_fn.needs_entropy)
+        with_topk = bool(getattr(self._loss_fn, "needs_topk", False))
         self._model.train()
         self._optimizer.zero_grad(set_to_none=True)
         metrics = MetricSums()
@@ -411,9 +412,10 @@ class FSDP2TrainEngine:
             real = i < len(micro)
             mb = micro[i] if real else micro[-1]
             with trace.span("micro-batch", index=i, rows=int(mb["response_mask"].shape[0])):
+                # (the top-k keyword only when asked: the critic's _forward has none)
                 log_probs, entropy = self._forward(
-                    mb, temperature, with_entropy, topk=bool(getattr(self._loss_fn, "needs_topk", False))
-                )  # fmt: skip
+                    mb, temperature, with_entropy, **({"topk": True} if with_topk else {})
+                )
                 # The loss is already scaled by loss_scale = dp size: FSDP averages gradients
                 # over ranks, and the sum of the shares is what the mini-batch gradient is.
                 loss, mb_metrics = self._loss_fn(log_probs, entropy, mb, norm)
