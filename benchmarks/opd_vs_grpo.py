@@ -65,6 +65,8 @@ def one_seed(seed: int, extra: list[str], grpo_lr: float | None) -> dict:
         data=dataclasses.replace(cfg.data, train_files=train, val_files=val),
         trainer=dataclasses.replace(cfg.trainer, experiment_name=f"grpo-s{seed}"),
         actor=dataclasses.replace(cfg.actor, lr=cfg.actor.lr if grpo_lr is None else grpo_lr),
+        # No teachers: the train engine must not look for their top-k in the batch.
+        distillation=dataclasses.replace(cfg.distillation, loss="reverse_kl"),
     )
     print(f"[seed {seed}] opd lr {cfg.actor.lr}, grpo lr {grpo_cfg.actor.lr}", flush=True)
     print(f"[seed {seed}] grpo: loadavg before {loadavg()}", flush=True)
