@@ -3,10 +3,12 @@
     offbeat run opd [key=value ...]
 
 The student samples; each finished group goes to its teacher (routed by the row's
-`distillation.teacher_key`, `data_source` by default), which scores every sampled token;
-the per-token advantage is -(log pi_student - log pi_teacher) (verl's k1, no discount, no
-group baseline), trained by separate_async's policy-gradient loss. Teachers are engine
-replicas in pools of their own, one balancer each. The pieces live in offbeat.core.distill.
+`distillation.teacher_key`, `data_source` by default), which scores every sampled token.
+`distillation.loss=reverse_kl`: the per-token advantage is -(log pi_student - log
+pi_teacher) (verl's k1, no discount, no group baseline) in separate_async's
+policy-gradient loss; `topk_forward_kl` (this recipe's default): the forward KL to the
+teacher's top-k tokens at each sampled prefix. Teachers are engine replicas in pools of
+their own, one balancer each. The pieces live in offbeat.core.distill.
 """
 
 from __future__ import annotations
