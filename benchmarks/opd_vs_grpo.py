@@ -45,6 +45,9 @@ def one_seed(seed: int, extra: list[str], grpo_lr: float | None) -> dict:
     from offbeat.core.distill.job import run_opd
     from offbeat.core.trainer.job import run_job
 
+    # A job pins this process to the trainer's cores, and the next job's Ray (and its
+    # replicas) inherits this process's mask: give it back every core before each job.
+    pin_process(machine_cpus())
     over = [f"trainer.seed={seed}", f"data.seed={seed}", "runtime.progress_bar=false", *extra]
     _, cfg = load_recipe_config("opd", [*over, f"trainer.experiment_name=opd-s{seed}"])
     print(f"[seed {seed}] opd: loadavg before {loadavg()}", flush=True)
@@ -53,9 +56,7 @@ def one_seed(seed: int, extra: list[str], grpo_lr: float | None) -> dict:
     finally:
         ray.shutdown()
     print(f"[seed {seed}] opd: {opd['total_wall_s']:.0f}s, loadavg after {loadavg()}", flush=True)
-    # The OPD job pinned this process to the trainer's cores; the next job's Ray (and its
-    # replicas) inherits this process's mask, so give it back every core first.
-    pin_process(machine_cpus())
+    pin_process(machine_cpus())  # the OPD job pinned this process (see above)
     # GRPO: the same job without teachers, on the same mixed files.
     train, val = write_mixed_task_files(
         list(cfg.distillation.tasks), Path(opd["run_dir"]).parent / "tasks"
