@@ -33,9 +33,11 @@ def test_default_opd_job_routes_by_task_and_distills_both_teachers(tmp_path: Pat
         "opd",
         [f"trainer.log_dir={tmp_path}", "runtime.progress_bar=false", "trainer.loggers=[jsonl]"],
     )
+    affinity = os.sched_getaffinity(0)
     try:
         s = asyncio.run(run_opd(cfg))
     finally:
+        os.sched_setaffinity(0, affinity)  # run_opd pins this thread to the trainer's core
         ray.shutdown()
     teachers = sorted(cfg.distillation.teachers)
     assert teachers == ["char_match", "math"]
