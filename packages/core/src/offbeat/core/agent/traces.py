@@ -106,11 +106,13 @@ def warm_start_on_traces(
     out = Path(cache_dir) / f"traces-{h.hexdigest()[:16]}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from offbeat.core.models.hf import load_causal_lm
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_causal_lm(model_dir, dtype=torch.float32)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -1,6 +1,7 @@
 """Models offbeat can build offline: a tiny random Qwen2 causal LM and its character
 tokenizer, for tests and the embedded CPU job."""
 
+from offbeat.core.models.hf import check_tied, load_causal_lm
 from offbeat.core.models.tiny import (
     TINY_MODEL_PRESETS,
     TinyModelSpec,
@@ -23,6 +24,8 @@ __all__ = [  # the builder, its presets, and the tokenizer it writes
     "build_char_tokenizer",
     "build_tiny_model",
     "char_vocab",
+    "check_tied",
     "default_cache_dir",
+    "load_causal_lm",
     "tiny_model_num_parameters",
 ]

@@ -124,10 +124,12 @@ def judge_scores(model_dir: str | Path, g: GenRMConfig,
     """The judge's greedy scores (transformers, this process) of chat `prompts`; None where
     its verdict holds no score."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from offbeat.core.models.hf import load_causal_lm
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_causal_lm(model_dir, dtype=torch.float32).eval()
     end = tok.convert_tokens_to_ids("<|im_end|>")
     out_scores = []
     with torch.no_grad():

@@ -79,9 +79,9 @@ def load_hf_model(
     config with `overrides` applied."""
     if not path:
         raise ValueError("train_engine.model_path is empty: give a HF model directory or id")
-    from transformers import AutoModelForCausalLM
+    from offbeat.core.models.hf import load_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(
+    return load_causal_lm(
         path,
         config=hf_config(path, trust_remote_code, overrides),
         dtype=torch.float32,
@@ -113,11 +113,15 @@ def _parameters_on_meta() -> Iterator[None]:
 def _skeleton(path: str, trust_remote_code: bool, overrides: Mapping[str, Any] | None) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    from offbeat.core.models.hf import building_models, check_tied
+
     config = hf_config(path, trust_remote_code, overrides)
-    with _parameters_on_meta():
-        return AutoModelForCausalLM.from_config(
+    with building_models(), _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
+    check_tied(model, path)
+    return model
 
 
 def shard(

@@ -77,13 +77,15 @@ def warm_start(
     out = Path(cache_dir) / f"warm-{_key(model_dir, digest.hexdigest(), cfg)}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from offbeat.core.models.hf import load_causal_lm
 
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     config.update(overrides)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
+    model = load_causal_lm(model_dir, config=config, dtype=torch.float32)
     end = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else None
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     examples = []
