@@ -6,8 +6,10 @@ receives are kernels of two processes on one GPU. NCCL kernels hold a few SMs an
 the link; if the GPU time-slices between the two contexts instead of running them side by
 side, the gather and the broadcast cannot overlap there, whatever the sender does.
 
-Each process launches `torch.cuda._sleep` kernels (one block that spins for a number of
-cycles: little of the GPU, like an NCCL kernel waiting on its peer) for about `--seconds`.
+Each process launches kernels of one Triton program that does a fixed amount of
+arithmetic (a few warps on one SM: little of the GPU, like an NCCL kernel; a clock-based
+spin, `torch.cuda._sleep`, would not do: it finishes on wall time even while its context
+is switched out) for about `--seconds`.
 Printed: the wall time of one process alone, of two processes in two contexts at once,
 and of two streams in one process at once (the baseline that does overlap).
 
@@ -21,16 +23,35 @@ import multiprocessing as mp
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 
-def _cycles_per_ms() -> float:
+@triton.jit
+def _work(out_ptr, iters, BLOCK: tl.constexpr):
+    x = tl.arange(0, BLOCK).to(tl.float32)
+    for _ in range(iters):
+        x = x * 0.999999 + 0.5
+    tl.store(out_ptr + tl.arange(0, BLOCK), x)
+
+
+_BUF: dict = {}
+
+
+def _launch(iters: int) -> None:
+    out = _BUF.setdefault(torch.cuda.current_stream(), torch.empty(128, device="cuda"))
+    _work[(1,)](out, iters, BLOCK=128)
+
+
+def _cycles_per_ms() -> float:  # loop iterations per ms, alone
+    _launch(1000)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    torch.cuda._sleep(100_000_000)
+    _launch(2_000_000)
     end.record()
     end.synchronize()
-    return 100_000_000 / start.elapsed_time(end)
+    return 2_000_000 / start.elapsed_time(end)
 
 
 def _spin(seconds: float, cycles_per_ms: float, streams: int = 1) -> float:
@@ -42,7 +63,7 @@ def _spin(seconds: float, cycles_per_ms: float, streams: int = 1) -> float:
     for s in ss:
         with torch.cuda.stream(s):
             for _ in range(n):
-                torch.cuda._sleep(per_kernel)
+                _launch(per_kernel)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -61,7 +82,9 @@ def main() -> None:
     args = p.parse_args()
     cpm = _cycles_per_ms()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"{cpm / 1e6:.2f} M cycles/ms; each spinner: {args.seconds} s of 10 ms kernels")
+          f"{cpm / 1e3:.0f}k loop iterations/ms; each spinner: --seconds {args.seconds} of "
+          "nominally 10 ms kernels (the calibration is rough: compare the columns, not "
+          "the seconds)")
     ctx = mp.get_context("spawn")
     for rep in range(args.reps):
         alone = _spin(args.seconds, cpm)
