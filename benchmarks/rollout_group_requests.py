@@ -21,7 +21,10 @@ load change on this shared machine hits both alike; each run records the 1-minut
 average. The table gives medians of tokens/s, the median of the paired ratios, the CPU
 time this process and the replica's processes spent per 1k tokens (the figure least
 disturbed by other load), that of this process alone (the client: in the job it shares
-the trainer's core), and the load. `--paths ... ray-busy` repeats the job path with a
+the trainer's core), and the load. It also splits the CPU into vLLM's engine processes
+(engine core and worker, where the forward passes run) and the rest, which gives the
+ceiling on what one request per group can save: the per-sample CPU per token over the
+engine processes' alone. `--paths ... ray-busy` repeats the job path with a
 thread computing on the trainer's core, in this process, as the job's trainer does.
 `--one-call-each` adds a third mode to the Ray paths: per-sample requests with one Ray
 call per sample (the agent loop's path before actor calls were batched, i.e. when group
@@ -62,11 +65,12 @@ class CpuMeter:
         self.pids: list[int] = [os.getpid()]
         self.exclude: set[int] = set()
 
-    def read(self) -> tuple[float, float]:
-        """(all tracked processes, this process alone) in CPU seconds."""
+    def read(self) -> tuple[float, float, float]:
+        """(all tracked processes, this process alone, vLLM's engine core and worker
+        processes alone) in CPU seconds."""
         import psutil
 
-        total = own = 0.0
+        total = own = engine = 0.0
         seen: set[int] = set()
         for pid in self.pids:
             try:
@@ -86,21 +90,23 @@ class CpuMeter:
                     else:
                         c = pr.cpu_times()
                         total += c.user + c.system
+                        if pr.name().startswith(("VLLM::EngineCor", "VLLM::Worker")):
+                            engine += c.user + c.system
                 except psutil.Error:
                     pass
-        return total, own
+        return total, own, engine
 
 
 async def timed(make_calls, cpu: CpuMeter) -> dict[str, float]:
     """One run: tokens/s, CPU ms per 1k tokens (all; the client's process alone), the
     1-minute load average at its start."""
     load = float(loadavg())
-    (c0, o0), t0 = cpu.read(), time.perf_counter()
+    (c0, o0, e0), t0 = cpu.read(), time.perf_counter()
     outs = await make_calls()
-    dt, (c1, o1) = time.perf_counter() - t0, cpu.read()
+    dt, (c1, o1, e1) = time.perf_counter() - t0, cpu.read()
     n = sum(len(o.token_ids) for group in outs for o in group)
     return {"tps": n / dt, "cpu": 1e6 * (c1 - c0) / n, "client": 1e6 * (o1 - o0) / n,
-            "load": load}  # fmt: skip
+            "engine": 1e6 * (e1 - e0) / n, "load": load}  # fmt: skip
 
 
 async def measure(name, modes, args, results, cpu: CpuMeter) -> None:
@@ -303,6 +309,14 @@ async def main(args: argparse.Namespace) -> None:
                 f"{med(x['client'] for x in b):>7.0f}{min(loads):>7.1f}-{max(loads):<6.1f}"
             )
             print(f"{'':<26}paired tokens/s ratios: " + ", ".join(f"{x:.2f}" for x in ratios))
+            ea, eb = med(x["engine"] for x in a), med(x["engine"] for x in b)
+            print(
+                f"{'':<26}CPU ms/1k in vLLM's engine core + worker: {ea:.0f} per-sample, "
+                f"{eb:.0f} group; outside them (client, actor, Ray): "
+                f"{med(x['cpu'] - x['engine'] for x in a):.0f} and "
+                f"{med(x['cpu'] - x['engine'] for x in b):.0f}; ceiling if a group cost "
+                f"nothing outside the engine: {med(x['cpu'] for x in a) / eb:.2f}x CPU/token"
+            )
     print(f"load average at end: {Path('/proc/loadavg').read_text().strip()}")
     print("target: group tokens/s >= 1.5x per-sample for n=8 with short responses")
 
