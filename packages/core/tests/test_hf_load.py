@@ -2,7 +2,6 @@
 
 import contextlib
 import threading
-import time
 
 import pytest
 import torch
@@ -19,24 +18,38 @@ def tied_dir(tmp_path_factory):
 
 @pytest.fixture
 def slow_no_tie(monkeypatch):
-    """transformers' own save/restore of `PreTrainedModel.tie_weights`, held open long
-    enough that two unserialised loads overlap inside it; counts the entries."""
+    """transformers' own save/restore of `PreTrainedModel.tie_weights`, with the one
+    interleaving that loses the original forced when two loads overlap inside it: the
+    first in waits (up to 2 s) for a second to enter, and the second restores only after
+    the first has. Loads that are serialised never overlap, so the first's wait runs out
+    and each restores what it found. Yields the entries and the original."""
     import transformers.initialization as init
     from transformers import PreTrainedModel
 
     original_tie = PreTrainedModel.tie_weights
     entered = []
+    lock = threading.Lock()
+    second_in, first_out = threading.Event(), threading.Event()
 
     @contextlib.contextmanager
     def no_tie_weights():
-        saved = PreTrainedModel.tie_weights
-        PreTrainedModel.tie_weights = lambda *a, **k: None
-        entered.append(threading.current_thread().name)
+        with lock:
+            saved = PreTrainedModel.tie_weights
+            PreTrainedModel.tie_weights = lambda *a, **k: None
+            order = len(entered)
+            entered.append(threading.current_thread().name)
+        if order == 0:
+            second_in.wait(timeout=2.0)
+        else:
+            second_in.set()
         try:
-            time.sleep(0.4)
             yield
         finally:
+            if order > 0:
+                assert first_out.wait(timeout=60), "the first load never left"
             PreTrainedModel.tie_weights = saved
+            if order == 0:
+                first_out.set()
 
     monkeypatch.setattr(init, "no_tie_weights", no_tie_weights)
     yield entered, original_tie
