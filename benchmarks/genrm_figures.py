@@ -26,11 +26,12 @@ from pathlib import Path
 
 
 def agreement_figure(cfg) -> None:
+    from offbeat.core.models import cache_root
     from offbeat.core.rewards.genrm import from_config
     from offbeat.core.rewards.genrm_job import prepare_genrm
     from offbeat.core.rewards.genrm_sft import judge_agreement, judge_rows
 
-    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    cache = cache_root()
     t0 = time.perf_counter()
     cfg = prepare_genrm(cfg, cache)  # builds and trains the judge unless cached
     built_s = time.perf_counter() - t0

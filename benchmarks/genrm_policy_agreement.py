@@ -92,11 +92,12 @@ def table(records: list[dict], title: str) -> None:
 def rejudge(cfg, path: Path) -> list[dict]:
     """The records in `path`, each re-scored by the judge `cfg` names (`judge_scores`:
     greedy, transformers, each distinct response once)."""
+    from offbeat.core.models import cache_root
     from offbeat.core.rewards.genrm import from_config, render_prompt
     from offbeat.core.rewards.genrm_job import prepare_genrm
     from offbeat.core.rewards.genrm_sft import judge_scores
 
-    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    cache = cache_root()
     g = from_config(prepare_genrm(cfg, cache).reward.genrm)
     records = [json.loads(x) for x in path.read_text().splitlines()]
     unique = list({(r["question"], r["response"], r["reference"]): r for r in records})

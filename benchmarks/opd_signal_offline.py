@@ -50,8 +50,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    import os
-
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from offbeat.core.cli import load_recipe_config
@@ -69,7 +67,9 @@ def main() -> None:
     ]
     _, cfg = load_recipe_config("opd", overrides)
     d = cfg.distillation
-    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    from offbeat.core.models import cache_root
+
+    cache = cache_root()
     train_f, val_f = write_mixed_task_files(list(d.tasks), cache / "tasks")
     train = [r for f in train_f for r in read_parquet(f)]
     val = [r for f in val_f for r in read_parquet(f)]

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -23,18 +23,14 @@ from elastic_rig import kill_when_serving, overrides, replace_and_time, start_ri
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.trainer import CYCLE_PHASES  # noqa: E402
-from offbeat.core.trainer.job import ReplicaMemory, init_ray  # noqa: E402
+from offbeat.core.trainer.job import ReplicaMemory  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
+def rig(tmp_path_factory, ray_session):
     tmp = tmp_path_factory.mktemp("elastic")
     _, cfg = load_recipe_config("separate_async", overrides(tmp, "trainer.experiment_name=rig"))
-    init_ray(cfg.runtime)
+    ray_session.up()
     loop = asyncio.new_event_loop()
     try:
         rig = loop.run_until_complete(start_rig(cfg))
@@ -44,7 +40,6 @@ def rig(tmp_path_factory):
         loop.run_until_complete(rig.close())
     finally:
         loop.close()
-        ray.shutdown()
 
 
 def test_two_phase_start_puts_asleep_hybrid_replicas_beside_the_trainer(rig):
@@ -94,11 +89,19 @@ def test_validation_with_a_hybrid_replica_matches_the_standalone_replica_alone(r
 
 def test_a_hybrid_replica_killed_during_validation_is_dropped(rig):
     (hybrid,) = rig.hybrids.values()
+    rows = len(rig.validator.rows)
+    served0 = dict(rig.client.served_calls)
 
-    async def during(r, task):
-        await kill_when_serving(r, "hybrid-0", hybrid, task)
-
-    metrics, cycle = rig.loop.run_until_complete(rig.validate_cycle(2, during))
+    # The kill lands under the first validation request leased to the hybrid replica
+    with kill_when_serving(rig, hybrid) as kill:
+        metrics, cycle = rig.loop.run_until_complete(rig.validate_cycle(2))
+    # ... so during validation: that request and others were still unanswered then
+    assert kill.get("request", "").startswith("val-"), kill
+    answered_then = sum(kill["served"].values()) - sum(served0.values())
+    assert answered_then < rows, (answered_then, rows)  # one greedy call a prompt
+    # the dead replica's request was retried on the standalone replica, and validation
+    # finished every prompt, with the answers the standalone replica alone gives
+    assert kill["answered"].get(kill["request"]) == "rollout-0", kill
     assert metrics["val/reward"] == rig.alone["val/reward"] and metrics["val/failed"] == 0
     assert "hybrid-0" in rig.hybrid.lost and rig.hybrid.servers == {}
     assert cycle["hybrid/lost_total"] == 1

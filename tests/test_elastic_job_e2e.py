@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -22,7 +22,6 @@ from elastic_rig import overrides  # noqa: E402
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.trainer import CYCLE_PHASES  # noqa: E402
-from offbeat.core.trainer.job import init_ray  # noqa: E402
 
 
 async def run_with_faults(cfg) -> tuple[dict, list[str]]:
@@ -73,11 +72,7 @@ async def run_with_faults(cfg) -> tuple[dict, list[str]]:
     return summary, killed
 
 
-def test_hybrid_and_standalone_replicas_killed_mid_run_training_goes_on(tmp_path):
-    import ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
+def test_hybrid_and_standalone_replicas_killed_mid_run_training_goes_on(tmp_path, ray_session):
     _, cfg = load_recipe_config(
         "separate_async",
         overrides(
@@ -85,11 +80,8 @@ def test_hybrid_and_standalone_replicas_killed_mid_run_training_goes_on(tmp_path
             "trainer.val_before_train=true", "trainer.test_freq=2",
         ),
     )  # fmt: skip
-    init_ray(cfg.runtime)
-    try:
-        summary, killed = asyncio.run(run_with_faults(cfg))
-    finally:
-        ray.shutdown()
+    ray_session.up()
+    summary, killed = asyncio.run(run_with_faults(cfg))
     trainer = summary["trainer"]
     assert killed == ["hybrid-0", "rollout-0"]
     assert summary["steps"] == 3 and summary["version"] == 3

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -50,9 +50,9 @@ def genrm_config(tmp: Path, name: str, *extra: str):
 
 
 def test_policy_learns_from_judge_alone_through_parse_failures_and_a_killed_judge(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, ray_session
 ):
-    import ray
+    ray = ray_session.up()
 
     from offbeat.core.rewards import genrm_replicas
     from offbeat.core.rewards.genrm_job import run_genrm
@@ -81,7 +81,6 @@ def test_policy_learns_from_judge_alone_through_parse_failures_and_a_killed_judg
         versions = {sid: s.weight_version for sid, s in started.items() if sid != "judge-0"}
     finally:
         os.sched_setaffinity(0, affinity)  # run_job pins this thread to the trainer's core
-        ray.shutdown()
     trainer = summary["trainer"]
     assert summary["steps"] == STEPS
     # the killed judge was removed once; the run went on with the other

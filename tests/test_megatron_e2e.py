@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.tasks import make_rows, write_parquet  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
-    init_ray,
     prepare,
     run_with_replicas,
     shutdown_replicas,
@@ -26,12 +25,56 @@ from offbeat.core.trainer.job import (  # noqa: E402
 )
 
 STEPS = 2
+# Log-probs of the same weights, vLLM-cpu against Megatron on CPU (both float32), differ
+# by float rounding only; the run's updates move them by far more (see the test).
+LOGPROB_TOL = 1e-3
+MOVED_MIN = 10 * LOGPROB_TOL
 
 
-def test_separate_async_trains_with_the_megatron_engine(tmp_path):
+def probe_sequences(rows: int = 4, prompt: int = 8, response: int = 16) -> dict:
+    """Fixed token sequences (the tiny model's byte vocabulary: 260 ids), scored on their
+    last `response` tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(4, 250, (rows, prompt + response), generator=g)
+    mask = torch.ones_like(input_ids)
+    return {"input_ids": input_ids, "attention_mask": mask, "response_mask": mask[:, prompt:]}
+
+
+def replica_log_probs(server, probe: dict):
+    """The replica's log-probs of the probe's response tokens (its prompt-logprob path)."""
+    import torch
+
+    ids = probe["input_ids"]
+    start = ids.shape[1] - probe["response_mask"].shape[1]
+
+    async def score():
+        return await asyncio.gather(
+            *(server.compute_log_probs(f"probe-{i}", r.tolist(), start) for i, r in enumerate(ids))
+        )
+
+    return torch.tensor(asyncio.run(asyncio.wait_for(score(), 120)))
+
+
+def hf_log_probs(model_dir, probe: dict):
+    """transformers' log-probs of the probe's response tokens under the weights in
+    `model_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    ids = probe["input_ids"]
+    width = probe["response_mask"].shape[1]
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ids).logits[:, -(width + 1) : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, -width:, None])[..., 0]
+
+
+def test_separate_async_trains_with_the_megatron_engine(tmp_path, ray_session):
     import math
 
-    import ray
+    import torch
 
     from offbeat.backend_megatron import MegatronTrainEngine
 
@@ -69,15 +112,21 @@ def test_separate_async_trains_with_the_megatron_engine(tmp_path):
     from megatron.core import parallel_state
 
     had_group = dist.is_initialized()
-    init_ray(cfg.runtime)
+    ray_session.up()
     servers = {}
+    probe = probe_sequences()
     try:
         prepared = prepare(cfg)
         servers = start_replicas(prepared)
         summary = asyncio.run(run_with_replicas(prepared, servers))
+        # What the replica now serves against what Megatron trained, on the same tokens:
+        # the replica's weights are Megatron's export of its last update (converted to HF
+        # names and layouts, sent through the checkpoint engine) or they are not.
+        replica = replica_log_probs(servers["rollout-0"], probe)
+        megatron = summary["trainer"].engine.compute_log_probs(probe, temperature=1.0)
+        initial = hf_log_probs(prepared.model_dir, probe)  # model.path: no warm start here
     finally:
         asyncio.run(shutdown_replicas(servers))
-        ray.shutdown()
         # The engine started Megatron's groups (and a 1-process group): leave none behind.
         parallel_state.destroy_model_parallel()
         if not had_group and dist.is_initialized():
@@ -93,3 +142,10 @@ def test_separate_async_trains_with_the_megatron_engine(tmp_path):
     assert all(r["actor/num_tokens"] > 0 for r in rows), rows
     assert summary["steps"] == STEPS and summary["version"] == STEPS
     assert summary["removed_replicas"] == {}  # every sync reached the replica
+    moved = float((megatron - initial).abs().max())
+    diff = float((replica - megatron).abs().max())
+    print(f"log-probs: replica vs Megatron max |diff| {diff:.2e}; the run moved them {moved:.3f}")
+    # the updates moved the log-probs far beyond the tolerance, so a replica left on any
+    # earlier weights (or sent a wrong tensor) reads differently from Megatron
+    assert moved > MOVED_MIN, moved
+    torch.testing.assert_close(replica, megatron, atol=LOGPROB_TOL, rtol=0)

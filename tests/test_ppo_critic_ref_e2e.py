@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.trainer import CheckpointManager, CriticAndReference  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
-    init_ray,
     prepare,
     run_with_replicas,
     shutdown_replicas,
@@ -38,6 +37,9 @@ from offbeat.core.trainer.job import (  # noqa: E402
 RUN_STEPS = 10
 RESUMED_STEPS = 12
 KL_BOUND = 1.0  # far below the clamp (10); the run reads at most ~0.2
+# The trained critic against its fresh self on step 1's batch (see the test for numbers).
+EV_GAIN = 0.1
+VF_LOSS_FACTOR = 1.5
 
 
 def overrides(tmp: Path, *extra: str) -> list[str]:
@@ -71,19 +73,14 @@ def overrides(tmp: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    import ray
-
+def world(tmp_path_factory, ray_session):
     tmp = tmp_path_factory.mktemp("ppo")
     _, cfg = load_recipe_config("separate_async", overrides(tmp))
-    own_ray = not ray.is_initialized()
-    init_ray(cfg.runtime)
+    ray_session.up()
     prepared = prepare(cfg)  # the warm-started tiny model (cached) and the task files
     servers = start_replicas(prepared)
     yield tmp, prepared, servers
     asyncio.run(shutdown_replicas(servers))
-    if own_ray:
-        ray.shutdown()
 
 
 def run_cfg(prepared, cfg):
@@ -108,23 +105,66 @@ def probe_batch(rows: int = 6) -> dict:
     return {"input_ids": input_ids, "attention_mask": mask, "response_mask": mask[:, -4:]}
 
 
-def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world):
+def record_critic_batches(monkeypatch) -> list[dict]:
+    """Every batch the critic valued, as it valued it: inputs, its values (before that
+    step's critic update) and the returns it was then trained towards."""
+    from offbeat.core.trainer.critic import Critic
+
+    seen: list[dict] = []
+    real = Critic.advantages
+
+    def advantages(self, estimator, data, *args, **kwargs):
+        out = real(self, estimator, data, *args, **kwargs)
+        keys = ("input_ids", "attention_mask", "response_mask", "values", "returns")
+        seen.append({k: data[k].detach().clone() for k in keys})
+        return out
+
+    monkeypatch.setattr(Critic, "advantages", advantages)
+    return seen
+
+
+def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
+    from offbeat.core.algorithms import explained_variance, masked_mean
     from offbeat.core.train import build_actor_engine
+    from offbeat.core.trainer.reference import KLSettings, Reference
 
     tmp, prepared, servers = world
     _, cfg = load_recipe_config(
         "separate_async", overrides(tmp, f"trainer.total_training_steps={RUN_STEPS}")
     )
+    critic_batches = record_critic_batches(monkeypatch)
     summary = run(prepared, cfg, servers)
     assert summary["steps"] == RUN_STEPS and summary["counts"]["failed"] == 0
     rows = metric_rows(summary)
     assert len(rows) == RUN_STEPS
+    assert len(critic_batches) == RUN_STEPS
 
-    # explained variance rises: from the fresh value head's (step 1: -0.16 to -0.42 in
-    # four runs here) to about 0 (the median of the second half: -0.02 to +0.01); single
-    # steps swing by 0.2 with 32 trajectories a batch, so the second half's median counts
+    # The critic learned. Step-to-step metrics swing by 0.2 with 32 trajectories a batch,
+    # so compare the critic with itself on one fixed batch: step 1's, whose values the
+    # fresh head gave before any update, against the returns it was trained towards then.
+    # The trained critic must explain EV_GAIN more of their variance and cut the squared
+    # error by VF_LOSS_FACTOR; a critic that never stepped gives step 1's values again
+    # (gain 0, factor 1), whatever the batches did.
+    trainer = summary["trainer"]
+    done = trainer.critic_ref
+    first = critic_batches[0]
+    mask = first["response_mask"]
+    after = done.critic.engine.compute_values(
+        {k: first[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    )
+    ev_before = explained_variance(first["values"], first["returns"], mask)
+    ev_after = explained_variance(after, first["returns"], mask)
+    loss_before = float(masked_mean((first["values"] - first["returns"]) ** 2, mask))
+    loss_after = float(masked_mean((after - first["returns"]) ** 2, mask))
     ev = [r["critic/vf_explained_var"] for r in rows]
-    assert statistics.median(ev[RUN_STEPS // 2 :]) > ev[0], ev
+    print(
+        f"explained variance per step {ev} (second half's median "
+        f"{statistics.median(ev[RUN_STEPS // 2 :]):.3f})\non step 1's batch: explained "
+        f"variance {ev_before:.3f} -> {ev_after:.3f}, value loss {loss_before:.4f} -> "
+        f"{loss_after:.4f}"
+    )
+    assert ev_after > ev_before + EV_GAIN, (ev_before, ev_after)
+    assert loss_after < loss_before / VF_LOSS_FACTOR, (loss_before, loss_after)
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "actor/kl_loss"):
         assert all(key in r for r in rows), key
     # KL to the reference positive and bounded. The first batches were sampled by version
@@ -132,7 +172,7 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world):
     # from step 3 on the samples come from trained weights (staleness <= 1) and the KL is
     # clearly above 0.
     kl = [r["actor/kl"] for r in rows]
-    print(f"explained variance {ev}\nKL {kl}\nkl_coef {[r['actor/kl_coef'] for r in rows]}")
+    print(f"KL {kl}\nkl_coef {[r['actor/kl_coef'] for r in rows]}")
     assert all(-1e-6 < x < KL_BOUND for x in kl), kl
     assert all(x > 1e-4 for x in kl[2:]), kl
     # KL above the (tiny) target: the adaptive coefficient rose
@@ -141,8 +181,6 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world):
 
     # the checkpoint restores the critic, the reference and the KL controller into fresh
     # engines
-    trainer = summary["trainer"]
-    done = trainer.critic_ref
     ckpt = CheckpointManager(cfg.trainer.checkpoint_dir)
     path = ckpt.latest()
     assert path is not None and path.name == f"step_{RUN_STEPS:08d}"
@@ -150,10 +188,13 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world):
     fresh = CriticAndReference.from_job(job)
     actor = build_actor_engine(job)
     probe = probe_batch()
+    temperature = done.reference.temperature
+    initial_policy = actor.compute_log_probs(probe, temperature)  # before loading: model.path
     assert not torch.allclose(
         fresh.critic.engine.compute_values(probe), done.critic.engine.compute_values(probe)
     )  # before loading: the critic trained away from its start
     state = ckpt.load(path, actor, others=fresh.engines())
+    trained_policy = actor.compute_log_probs(probe, temperature)
     fresh.load_state(state["critic_ref"])
     torch.testing.assert_close(
         fresh.critic.engine.compute_values(probe), done.critic.engine.compute_values(probe),
@@ -161,10 +202,26 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world):
     )  # fmt: skip
     assert fresh.critic.engine.global_update_count == done.critic.engine.global_update_count
     assert fresh.critic.engine.lr == done.critic.engine.lr
-    torch.testing.assert_close(
-        fresh.reference.log_probs(probe), done.reference.log_probs(probe), atol=0, rtol=0
-    )
     assert fresh.reference.controller.value == done.reference.controller.value != 0.01
+    # The reference is not in the checkpoint: it is rebuilt from model.path, and the
+    # checkpoint holds the fingerprint of the run's reference weights, which loading checks.
+    # The run's reference stayed the initial policy all along (not the trained actor):
+    ref_lp = done.reference.log_probs(probe)
+    torch.testing.assert_close(ref_lp, initial_policy)  # (engines batch differently)
+    assert (ref_lp - trained_policy).abs().max() > 1e-3, "the actor never moved from its start"
+    # the saved fingerprint is the run's reference's, and the rebuilt one matches it ...
+    saved = state["critic_ref"]["reference"]
+    assert saved["fingerprint"] == done.reference.fingerprint
+    assert fresh.reference.fingerprint == pytest.approx(saved["fingerprint"], rel=1e-9)
+    torch.testing.assert_close(fresh.reference.log_probs(probe), ref_lp, atol=0, rtol=0)
+    # ... while a reference on other weights (here the trained policy's: a resume whose
+    # model.path names the run's final weights) is refused by the load, before any of the
+    # saved state is applied to it
+    other = Reference(actor, KLSettings.from_job(job), temperature)
+    assert other.fingerprint != saved["fingerprint"]
+    with pytest.raises(ValueError, match="reference model's weights differ"):
+        CriticAndReference(reference=other).load_state(state["critic_ref"])
+    assert other.controller.value == pytest.approx(0.01)
 
     # and a resumed run continues with them: its first step applies the saved coefficient
     _, resumed = load_recipe_config(
@@ -176,6 +233,10 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world):
     rows2 = metric_rows(summary2)[RUN_STEPS:]  # the same metrics file, appended
     assert [int(r["step"]) for r in rows2] == list(range(RUN_STEPS + 1, RESUMED_STEPS + 1))
     assert rows2[0]["actor/kl_coef"] == pytest.approx(done.reference.controller.value)
+    # the resumed run's reference: rebuilt from model.path, checked against the checkpoint
+    reference2 = summary2["trainer"].critic_ref.reference
+    assert reference2.fingerprint == pytest.approx(saved["fingerprint"], rel=1e-9)
+    torch.testing.assert_close(reference2.log_probs(probe), ref_lp, atol=0, rtol=0)
     critic2 = summary2["trainer"].critic_ref.critic.engine
     per_step = cfg.async_training.parameter_sync_step * cfg.critic.ppo_epochs
     assert critic2.global_update_count == RESUMED_STEPS * per_step

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -23,7 +23,6 @@ from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.rollout.recording import read_manifest  # noqa: E402
 from offbeat.core.tasks import make_rows, write_parquet  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
-    init_ray,
     prepare,
     run_with_replicas,
     shutdown_replicas,
@@ -59,19 +58,16 @@ def config(tmp: Path, name: str, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    import ray
-
+def world(tmp_path_factory, ray_session):
     tmp = tmp_path_factory.mktemp("record_replay")
     write_parquet(make_rows("add", 128, seed=0, min_len=1, max_len=1), tmp / "train.parquet")
     write_parquet(make_rows("add", 8, seed=1, min_len=1, max_len=1), tmp / "val.parquet")
     cfg = config(tmp, "world")
-    init_ray(cfg.runtime)
+    ray_session.up()
     prepared = prepare(cfg)
     servers = start_replicas(prepared)
     yield tmp, prepared, servers
     asyncio.run(shutdown_replicas(servers))
-    ray.shutdown()
 
 
 def run(world, name: str, *extra: str) -> dict:

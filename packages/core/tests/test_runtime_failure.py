@@ -20,7 +20,7 @@ from trainer_fakes import Harness, check_accounting
 from offbeat.core.models import build_tiny_model
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerRankFailed
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 class DiesAtStep(TrainerGroup):
@@ -46,16 +46,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from offbeat.core.trainer.job import RuntimeConfig, init_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    init_ray(RuntimeConfig(ray_num_cpus=2))
-    yield ray
-    ray.shutdown()
+def ray_local(ray_session):
+    return ray_session.up()
 
 
 async def start_group(cls, model_dir: Path) -> TrainerGroup:

@@ -86,16 +86,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from offbeat.core.trainer.job import RuntimeConfig, init_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    init_ray(RuntimeConfig(ray_num_cpus=3))
-    yield ray
-    ray.shutdown()
+def ray_local(ray_session):
+    return ray_session.up()
 
 
 def on_every_rank(group, fn) -> list:

@@ -15,7 +15,7 @@ from test_runtime_group import job, make_batch
 
 from offbeat.core.models import build_tiny_model
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +28,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from offbeat.core.trainer.job import RuntimeConfig, init_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    init_ray(RuntimeConfig(ray_num_cpus=4))
-    yield ray
-    ray.shutdown()
+def ray_local(ray_session):
+    return ray_session.up()
 
 
 def ppo_job(model_dir: Path, ranks: int, *separate: str):

@@ -73,13 +73,9 @@ def test_a_custom_resource_no_node_offers_is_named():
 
 # ---- a real local Ray ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    from offbeat.core.trainer.job import RuntimeConfig, init_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    init_ray(RuntimeConfig(ray_num_cpus=4))  # the job's local Ray (workers use this venv)
+def local_ray(ray_session):
+    # A Ray of exactly 4 CPUs (what does not fit is the test), not the session's.
+    ray = ray_session.own(ray_num_cpus=4)  # the job's local Ray (workers use this venv)
     yield ray
     ray.shutdown()
 

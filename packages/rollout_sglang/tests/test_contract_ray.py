@@ -9,22 +9,17 @@ import pytest
 from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.rollout_sglang import RemoteSGLangServer, SGLangServerConfig, sglang_server_actor
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def handle(sglang_app):
-    import ray
-
-    from offbeat.core.trainer.job import RuntimeConfig, init_ray
-
-    init_ray(RuntimeConfig(ray_num_cpus=2))
+def handle(sglang_app, ray_session):
+    ray = ray_session.up()
     h = sglang_server_actor(
         SGLangServerConfig(model="m", url=sglang_app.url, server_id="ray-0"), num_cpus=0
     )
     yield h
     ray.kill(h)
-    ray.shutdown()
 
 
 async def test_the_proxy_generates_pauses_and_updates_through_the_actor(handle, control):

@@ -11,7 +11,7 @@ from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.ckpt_engine import CheckpointEngineManager
 from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
 BUDGET = 200  # longest prompt (48 tokens) + 200 < max_model_len (256)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

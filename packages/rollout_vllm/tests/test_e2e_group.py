@@ -19,7 +19,7 @@ from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.ckpt_engine import CheckpointEngineManager
 from offbeat.core.rollout import GroupRolloutServer, PartialRolloutClient, PartialRolloutConfig
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session")]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
 N = 4
 BUDGET = 150  # prompt (<= 48 tokens) + 150 < max_model_len (256)

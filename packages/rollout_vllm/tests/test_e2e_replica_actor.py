@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 from offbeat.rollout_vllm import RemoteRolloutServer, VLLMServerConfig, vllm_server_actor  # noqa: E402
 from offbeat.rollout_vllm.replica import OMP_BIND  # noqa: E402
@@ -22,16 +22,12 @@ ENGINE_KWARGS = {
 
 
 @pytest.fixture(scope="module")
-def replica(tiny_model):
-    import ray
-
+def replica(tiny_model, ray_session):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs 2 cores: confinement to one must be visible")
     core = cores[-1]
-    from offbeat.core.trainer.job import RuntimeConfig, init_ray
-
-    init_ray(RuntimeConfig(ray_num_cpus=2))
+    ray = ray_session.up()
     handle = vllm_server_actor(
         VLLMServerConfig(model=str(tiny_model), engine_kwargs=dict(ENGINE_KWARGS)),
         cpus=[core],
@@ -40,7 +36,6 @@ def replica(tiny_model):
     yield handle, core
     ray.get(handle.shutdown.remote())
     ray.kill(handle)
-    ray.shutdown()
 
 
 def test_every_process_and_thread_of_the_replica_is_on_its_cores(replica):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,7 +185,9 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     d = cfg.distillation
-    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    from offbeat.core.models import cache_root
+
+    cache = cache_root()
     if not cfg.data.train_files and d.tasks:
         train, val = write_mixed_task_files(list(d.tasks), cache / "tasks")
         cfg = dataclasses.replace(

@@ -6,6 +6,7 @@ from offbeat.core.models.tiny import (
     TINY_MODEL_PRESETS,
     TinyModelSpec,
     build_tiny_model,
+    cache_root,
     default_cache_dir,
     tiny_model_num_parameters,
 )
@@ -23,6 +24,7 @@ __all__ = [  # the builder, its presets, and the tokenizer it writes
     "TinyModelSpec",
     "build_char_tokenizer",
     "build_tiny_model",
+    "cache_root",
     "char_vocab",
     "check_tied",
     "default_cache_dir",

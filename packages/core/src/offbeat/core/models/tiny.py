@@ -32,6 +32,7 @@ __all__ = [
     "TINY_MODEL_PRESETS",
     "TinyModelSpec",
     "build_tiny_model",
+    "cache_root",
     "default_cache_dir",
     "tiny_model_num_parameters",
 ]
@@ -71,12 +72,16 @@ TINY_MODEL_PRESETS: dict[str, TinyModelSpec] = {
 }
 
 
-def default_cache_dir() -> Path:
-    """Where builds go when no `out_dir` is given: $OFFBEAT_CACHE_DIR/tiny_models, else
-    ~/.cache/offbeat/tiny_models."""
+def cache_root() -> Path:
+    """offbeat's build cache (models, warm starts, task files, teachers, judges):
+    $OFFBEAT_CACHE_DIR, else ~/.cache/offbeat. The only place that default is written."""
     root = os.environ.get("OFFBEAT_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "offbeat"
-    return base / "tiny_models"
+    return Path(root) if root else Path.home() / ".cache" / "offbeat"
+
+
+def default_cache_dir() -> Path:
+    """Where builds go when no `out_dir` is given: `cache_root()/tiny_models`."""
+    return cache_root() / "tiny_models"
 
 
 def _resolve_spec(size: str, overrides: dict[str, Any]) -> TinyModelSpec:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,9 +102,10 @@ def prepare_genrm(cfg: GenRMRunConfig, cache: Path) -> GenRMRunConfig:
 
 async def run_genrm(cfg: GenRMRunConfig) -> dict[str, Any]:
     """Run `cfg` (validated) to the end; the summary adds the judge's `genrm_plot`."""
+    from offbeat.core.models import cache_root
     from offbeat.core.trainer.job import run_job
 
-    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    cache = cache_root()
     cfg = await asyncio.to_thread(prepare_genrm, cfg, cache)
     summary = await run_job(cfg)
     history = summary["trainer"].tracker.history

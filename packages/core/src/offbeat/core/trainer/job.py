@@ -457,7 +457,9 @@ def prepare(cfg: RunConfig) -> Prepared:
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.set_num_threads(cfg.runtime.trainer_threads)
-    cache_dir = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
+    from offbeat.core.models import cache_root
+
+    cache_dir = cache_root()
     train_files, val_files = resolve_data(cfg, cache_dir / "tasks")
     model_dir = resolve_model(cfg.model.path, cache_dir / "models")
     notes = []

@@ -1,0 +1,215 @@
+"""The test session's world, for every test under packages/, tests/ and recipes/.
+
+- Tiers: `--fast` keeps units and contracts only (no test marked e2e, slow, ray or gpu) and
+  makes `ray.init` raise there, so a test that starts Ray without saying so fails loudly
+  instead of slowing the tier down. Without `--fast` everything runs (what CI runs).
+- A hermetic cache: the session builds its tiny models, warm starts, task files, teachers
+  and judges into one directory of its own (`OFFBEAT_CACHE_DIR`), never the user's
+  `~/.cache`; Hugging Face and vLLM caches go there too (`XDG_CACHE_HOME`). Set
+  `OFFBEAT_TEST_CACHE=<dir>` to keep a warm one across sessions; else it is made per session
+  and removed at the end. xdist workers inherit it from the controller's environment.
+- One local Ray for the session (`ray_session.up()`): e2e tests share it instead of each
+  starting and stopping their own (~10 s each here). A test that needs a Ray of another
+  shape (two nodes) shuts it down; the next `up()` starts it again.
+- Timeouts: every test has one (pytest-timeout; the default is in pyproject.toml, e2e
+  modules set larger ones). On a timeout the failure prints every thread's stack and every
+  asyncio task's stack, then fails that test only (the session goes on).
+
+It imports nothing of the packages under test at module level (the Ray session uses core's
+`init_ray`, the way every job starts Ray, only when a test asks for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+
+FAST_EXCLUDES = ("e2e", "slow", "ray", "gpu")
+
+
+def _hermetic_cache() -> Path | None:
+    """Point every cache the suite writes at the session's own directory (before any test
+    module imports transformers or vLLM, which read these variables at import). Returns
+    the directory when this process made it (and so removes it at the end)."""
+    made = None
+    root = os.environ.get("OFFBEAT_TEST_CACHE")
+    if not root:
+        root = made = Path(tempfile.mkdtemp(prefix="offbeat-test-cache-"))
+        os.environ["OFFBEAT_TEST_CACHE"] = str(root)
+    root = Path(root)
+    os.environ["OFFBEAT_CACHE_DIR"] = str(root / "offbeat")
+    os.environ["XDG_CACHE_HOME"] = str(root / "xdg")
+    os.environ["HF_HOME"] = str(root / "xdg" / "huggingface")
+    os.environ["VLLM_CACHE_ROOT"] = str(root / "xdg" / "vllm")
+    return made
+
+
+_MADE_CACHE = _hermetic_cache()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help=f"units and contracts only: deselect tests marked {', '.join(FAST_EXCLUDES)}",
+    )
+
+
+def pytest_report_header(config):
+    tier = "fast (units and contracts)" if config.getoption("--fast") else "all"
+    return f"offbeat tier: {tier}; cache: {os.environ['OFFBEAT_TEST_CACHE']}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if any(item.get_closest_marker(m) for m in FAST_EXCLUDES) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_in_the_fast_tier(request):
+    """In the fast tier a Ray cluster is a marking mistake: say which marker is missing."""
+    if not request.config.getoption("--fast"):
+        yield
+        return
+    try:
+        import ray
+    except ImportError:  # an install without Ray cannot start one
+        yield
+        return
+
+    def refuse(*a, **k):
+        raise RuntimeError(
+            f"{request.node.nodeid} starts Ray in the fast tier: mark it "
+            "@pytest.mark.ray (and e2e or slow) so `--fast` leaves it out"
+        )
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ray, "init", refuse)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_threads():
+    """A job pins this process to the trainer's core and sizes torch's thread pool for it;
+    the tests after it get the whole machine back."""
+    affinity = os.sched_getaffinity(0)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    if os.sched_getaffinity(0) != affinity:
+        os.sched_setaffinity(0, affinity)
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+# Logical CPUs: e2e modules ask for up to 4 each and may overlap by a leftover actor;
+# scheduling, not the machine's cores (the jobs pin their processes themselves).
+SESSION_RAY_CPUS = 16
+
+
+class RaySession:
+    """The session's one local Ray, started by the first test that needs it."""
+
+    def up(self):
+        import ray
+
+        if not ray.is_initialized():
+            from offbeat.core.trainer.job import RuntimeConfig, init_ray
+
+            init_ray(RuntimeConfig(ray_num_cpus=SESSION_RAY_CPUS))
+        return ray
+
+    def own(self, **runtime):
+        """A local Ray of the test's own shape (`RuntimeConfig` keys), started by core's
+        `init_ray` after the session's is stopped; the test shuts it down when done and
+        the next `up()` starts the session's again."""
+        import ray
+
+        from offbeat.core.trainer.job import RuntimeConfig, init_ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        init_ray(RuntimeConfig(**runtime))
+        return ray
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    yield RaySession()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _MADE_CACHE is not None and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_MADE_CACHE, ignore_errors=True)
+
+
+# ---- timeouts: every thread's and every asyncio task's stack, then fail the test ----------
+
+
+def format_stacks() -> str:
+    """Every thread's stack and every pending asyncio task's stack, as text."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        out.append(f"--- thread {names.get(ident, '<unknown>')} ({ident})\n")
+        out.append("".join(traceback.format_stack(frame)))
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)]
+    for loop in loops:
+        if loop.is_closed():
+            continue
+        try:
+            tasks = asyncio.all_tasks(loop)
+        except RuntimeError:  # the set changed under us: one more try
+            tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            out.append(f"--- asyncio task {task.get_name()} on {type(loop).__name__}\n")
+            for frame in task.get_stack():
+                out.append("".join(traceback.format_stack(frame, limit=1)))
+            coro = task.get_coro()
+            out.append(f"    coroutine: {getattr(coro, '__qualname__', coro)}\n")
+    return "".join(out)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's signal method with asyncio tasks in the dump. Off the main thread
+    (no SIGALRM there) pytest-timeout's own thread method takes over."""
+    if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_timeout(signum, frame):
+        __tracebackhide__ = True
+        terminal = item.config.get_terminal_writer()
+        terminal.sep("+", title=f"Timeout after {settings.timeout:g} s: {item.nodeid}")
+        terminal.write(format_stacks())
+        terminal.sep("+", title="Timeout")
+        pytest.fail(f"Timeout after {settings.timeout:g} s (stacks above)", pytrace=False)
+
+    def cancel():
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
+    item.cancel_timeout = cancel
+    signal.signal(signal.SIGALRM, on_timeout)
+    signal.setitimer(signal.ITIMER_REAL, settings.timeout)
+    return True

@@ -1,0 +1,85 @@
+"""The test session's own rules (the root conftest.py), checked in a pytest of their own:
+a timeout prints every thread's and asyncio task's stack and fails that test only; the
+fast tier leaves marked tests out and refuses a Ray; the cache is the session's, never
+the user's. These run in the fast tier: a child pytest on a few probe tests, no Ray."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBES = """
+import asyncio, os, threading, time
+import pytest
+
+@pytest.mark.timeout(2)
+def test_hangs_in_a_task():
+    threading.Thread(target=lambda: time.sleep(60), name="probe-sleeper", daemon=True).start()
+    async def stuck_forever():
+        await asyncio.Event().wait()
+    async def main():
+        asyncio.create_task(stuck_forever(), name="probe-stuck-task")
+        await asyncio.sleep(60)
+    asyncio.run(main())
+
+def test_after_the_timeout_the_session_goes_on():
+    print("CACHE", os.environ["OFFBEAT_CACHE_DIR"], os.environ["XDG_CACHE_HOME"])
+
+@pytest.mark.e2e
+def test_marked_e2e():
+    pass
+
+def test_starts_ray_unmarked():
+    import ray
+    ray.init(num_cpus=1)
+"""
+
+
+def child_pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_probes.py").write_text(PROBES)
+    env = {k: v for k, v in os.environ.items() if k not in ("OFFBEAT_TEST_CACHE",)}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-q", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+def test_a_timeout_prints_every_thread_and_task_and_fails_only_that_test(tmp_path):
+    out = child_pytest(tmp_path, "-k", "hangs or goes_on")
+    text = out.stdout + out.stderr
+    assert "FAILED test_probes.py::test_hangs_in_a_task" in text, text[-3000:]
+    assert "Timeout after 2 s" in text
+    assert "--- thread probe-sleeper" in text and "--- thread MainThread" in text
+    assert "--- asyncio task probe-stuck-task" in text
+    assert "in stuck_forever" in text  # the task's own frame, not just its name
+    assert "1 failed, 1 passed" in text
+
+
+def test_the_fast_tier_deselects_marked_tests_and_refuses_ray(tmp_path):
+    pytest.importorskip("ray")
+    out = child_pytest(tmp_path, "--fast", "-k", "not hangs", "-rA")
+    text = out.stdout + out.stderr
+    assert "2 deselected" in text, text[-3000:]  # -k's and the tier's
+    assert "test_marked_e2e" not in text  # never run, so never reported under -rA
+    assert "starts Ray in the fast tier: mark it @pytest.mark.ray" in text
+    assert "1 failed, 1 passed" in text
+
+
+def test_the_cache_is_the_sessions_own_never_the_users(tmp_path):
+    out = child_pytest(tmp_path, "-k", "goes_on")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("CACHE"))
+    _, offbeat_cache, xdg = line.split()
+    home_cache = Path.home() / ".cache"
+    for path in (offbeat_cache, xdg):
+        assert not Path(path).is_relative_to(home_cache), path
+    assert not Path(offbeat_cache).exists()  # the child removed the cache it made
+    # and this session's own cache is not the user's either
+    assert not Path(os.environ["OFFBEAT_CACHE_DIR"]).is_relative_to(home_cache)
