@@ -164,27 +164,82 @@ async def test_zero_attempts_only_removes(sleeps):
     assert pool.replacing == {} and starts.calls == [] and pool.server_ids == []
 
 
-async def test_a_run_that_loses_its_only_replica_is_replaced_and_keeps_its_accounting(tmp_path):
+def record_joins(h: Harness) -> list[tuple[str, int, int, bool]]:
+    """(replica, its weight version, the trainer's, whether it holds the trainer's weights)
+    each time one joins the balancer. The trainer's version is that of the weights it holds
+    then (one per `parameter_sync_step` updates): a sync adds its joiners before
+    `trainer.version` moves on."""
+    joins: list[tuple[str, int, int, bool]] = []
+    real_add = h.balancer.add_servers
+
+    def add_servers(servers):
+        trainer_version = h.engine.updates // h.settings.parameter_sync_step
+        for i, server in servers.items():
+            w = server.weights.get("model.w")
+            same = w is not None and torch.equal(w, h.engine.w)
+            joins.append((i, server.weight_version, trainer_version, same))
+        return real_add(servers)
+
+    h.balancer.add_servers = add_servers
+    return joins
+
+
+@pytest.mark.parametrize("dies", ["while_step_2_waits_for_its_batch", "while_step_2_trains"])
+async def test_a_run_that_loses_its_only_replica_is_replaced_and_keeps_its_accounting(
+    tmp_path, dies
+):
+    """The only replica dies in step 2 at a point the test forces (left to timing, the
+    rollout's pace against the trainer's decided which of the two happened): while the
+    trainer waits for step 2's batch, the replacement is admitted at version 1, the weights
+    the trainer still holds (without it the batch never comes); while step 2 trains, it
+    joins at step 2's sync, version 2. Either way at the trainer's version, never at 0, and
+    every request the death interrupted finishes on the replacement."""
     starts = Starts(tick_s=0.002)
     h = Harness(tmp_path, servers=1, total_training_steps=4, tick_s=0.002,
                 replacement=Replacement(starts, attempts=3, backoff_s=0.01))  # fmt: skip
+    s0 = h.servers["s0"]
+    joins = record_joins(h)
+    died: dict[str, int] = {}  # where the trainer was when s0 died
 
-    async def kill_later():
-        while h.trainer.step < 2:
-            await asyncio.sleep(0.005)
-        h.servers["s0"].dead = True
+    def die():
+        c = h.buffer.core.counts()
+        died.update(step=h.trainer.step, trained=c["trained"], finished=c["finished"])
+        s0.dead = True
 
-    killer = asyncio.ensure_future(kill_later())
-    summary = await h.run()
-    await killer
+    if dies == "while_step_2_waits_for_its_batch":
+        # s0 finishes g0 and g1 (step 1's batch) and nothing else until it dies, so step 2
+        # finds no finished group and waits: s0 dies under that wait.
+        s0.hold = lambda rid: not s0.dead and rid.split("-")[0] not in ("g0", "g1")
+
+        async def kill_in_step_2():
+            while h.trainer.step < 2:
+                await asyncio.sleep(0.005)
+            die()
+
+        killer = asyncio.ensure_future(kill_in_step_2())
+        summary = await h.run()
+        await killer
+        assert died == {"step": 2, "trained": 2, "finished": 0}  # step 2 waited, no batch
+        joined_at = 1
+    else:
+        real_update = h.engine.update
+
+        def update_while_it_dies(mini_batch):
+            if h.trainer.step == 2 and not s0.dead:
+                die()
+            return real_update(mini_batch)
+
+        h.engine.update = update_while_it_dies
+        summary = await h.run()
+        assert died["step"] == 2 and died["trained"] == 4  # step 2's batch was taken
+        joined_at = 2
     assert summary["steps"] == 4 and summary["version"] == 4
     assert h.pool.replaced == {"s0": "s0-r1"} and h.pool.server_ids == ["s0-r1"]
+    assert joins == [("s0-r1", joined_at, joined_at, True)]  # the trainer's version, exactly
     new = starts.started["s0-r1"]
     assert new.weight_version == 4 and new.outputs  # it served, at the trainer's versions
-    first = min(o.weight_version for o in new.outputs)
-    # It joined at a version the trainer held when it joined, never at 0: 1 when it was
-    # admitted while step 2 waited for its batch (the weights still version 1), else later.
-    assert first >= 1
+    assert min(o.weight_version for o in new.outputs) == joined_at
+    assert h.buffer.core.counts()["failed"] == 0  # interrupted requests finished on it
     check_accounting(h)
     rows = h.train_rows()
     assert rows[-1]["replicas/replaced_total"] == 1.0 and rows[-1]["replicas/standalone"] == 1.0

@@ -19,7 +19,23 @@ from offbeat.core.trainer import SingleTurnAgentLoop, Trainer
 
 
 async def test_separate_async_three_steps_versions_spans_evictions(tmp_path):
+    # g0 and g1 (submitted at step 1) are stragglers: they produce nothing until step 3,
+    # so they finish at span 3 > max_off_policy_threshold=2 and must be evicted. Step 3's
+    # other groups wait until both are gone, so step 3 cannot take its batch before they
+    # finish (and escape eviction by the end of the run).
+    stragglers = ("g0", "g1")
+
+    def hold(request_id):
+        uid = request_id.split("-")[0]
+        if not uid.startswith("g"):
+            return False  # validation requests
+        if uid in stragglers:
+            return h.trainer.step < 3
+        gone = h.buffer.core.ledger()
+        return h.trainer.step == 3 and any(g not in gone for g in stragglers)
+
     h = Harness(tmp_path, threshold=2, strategy="drop", warmup=1)
+    h.servers["s0"].hold = hold
     summary = await h.run()
     assert summary["steps"] == 3 and summary["version"] == 3
     assert [r.version for r in h.trainer.sync_results] == [1, 2, 3]
@@ -28,8 +44,25 @@ async def test_separate_async_three_steps_versions_spans_evictions(tmp_path):
     assert torch.equal(h.servers["s0"].weights["model.w"], h.engine.w)
     train_rows = [r for r in h.rows() if "reward/mean" in r]
     assert [r["weight_version"] for r in train_rows] == [1.0, 2.0, 3.0]
-    assert all(r["off_policy/trajectory_spans_max"] <= 2 for r in train_rows)
-    assert sum(r["buffer/evicted"] for r in train_rows) == h.buffer.core.counts()["evicted"]
+    # Evictions: both stragglers, at step 3, at span 3; none trained; the rows count them.
+    assert h.buffer.evicted_spans == {"g0": 3, "g1": 3}
+    assert sorted(h.trainer.evicted_uids) == ["g0", "g1"]
+    assert h.buffer.core.counts()["evicted"] == 2
+    assert [r["buffer/evicted"] for r in train_rows] == [0.0, 0.0, 2.0]
+    # No trained group above the threshold (the buffer's spans and the rows' agree).
+    assert set(h.buffer.trained_spans) == set(h.trainer.trained_uids)
+    assert max(h.buffer.trained_spans.values()) <= 2, h.buffer.trained_spans
+    assert max(r["off_policy/trajectory_spans_max"] for r in train_rows) <= 2
+    # Refills: step 1 admits the pipeline (2 batches); each later step admits the slots its
+    # predecessor trained plus exactly one per group evicted at that step.
+    gps = h.settings.train_batch_size
+    assert dict(h.buffer.submitted_at) == {1: 2 * gps, 2: gps, 3: gps + 2}
+    # Accounting: every submitted uid is trained, evicted or live, exactly once.
+    trained, evicted = set(h.trainer.trained_uids), set(h.trainer.evicted_uids)
+    live = set(h.buffer.core.live_uids())
+    assert not (trained & evicted) and not ((trained | evicted) & live)
+    submitted = {f"g{i}" for i in range(h.buffer.core.counts()["submitted"])}
+    assert trained | evicted | live == submitted and len(submitted) == 4 + 2 + 4
     # 2 updates (parameter_sync_step) per step, each on ppo_mini_batch_size*n rows
     assert h.engine.updates == 6
     assert all(b["input_ids"].shape[0] == 2 for b in h.engine.batches)

@@ -205,15 +205,25 @@ class FakeEngine:
 
 
 class RecordingBuffer(AsyncReplayBuffer):
-    """Counts the prompts admitted at each step (refills after evictions show here)."""
+    """Counts the prompts admitted at each step (refills after evictions show here) and the
+    span at which each group was trained or evicted (uid -> span)."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.submitted_at: Counter[int] = Counter()
+        self.trained_spans: dict[str, int] = {}
+        self.evicted_spans: dict[str, int] = {}
 
     async def submit(self, prompts):
         self.submitted_at[self.core.current_step] += len(prompts)
         return await super().submit(prompts)
+
+    async def sample(self, num_groups, timeout=None):
+        batch, evicted = await super().sample(num_groups, timeout)
+        step = self.core.current_step  # the step the trainer waited in (it evicts there)
+        self.trained_spans.update((g.uid, g.span(step)) for g in batch)
+        self.evicted_spans.update((g.uid, g.span(step)) for g in evicted)
+        return batch, evicted
 
 
 def make_settings(**kw) -> TrainerSettings:

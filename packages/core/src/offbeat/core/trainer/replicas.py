@@ -103,6 +103,9 @@ class ReplicaPool:
         # (new id -> replica), and the history (dead id -> new id; dead id -> why not).
         self.replacing: dict[str, asyncio.Task] = {}
         self.joining: dict[str, Any] = {}
+        # Taken from `joining` by the sync (or admission) now bringing them to the weight
+        # version: still on their way, so an engine error meanwhile is worth a retry.
+        self.admitting: dict[str, Any] = {}
         self.replaced: dict[str, str] = {}
         self.gave_up: dict[str, str] = {}
         self.started: dict[str, Any] = {}  # every replica the pool started (to shut down)
@@ -191,6 +194,16 @@ class ReplicaPool:
         while not self.joining and self.replacing:
             await asyncio.wait(list(self.replacing.values()), return_when=asyncio.FIRST_COMPLETED)
 
+    @contextlib.contextmanager
+    def _in_transit(self, joiners: dict[str, Any]):
+        """While `joiners`, taken from `joining`, are synced: they are in `admitting` until
+        they joined (`servers`) or failed (`replacing` again)."""
+        self.admitting = joiners
+        try:
+            yield
+        finally:
+            self.admitting = {}
+
     def _joined(self, result: SyncResult, joiners: Mapping[str, Any]) -> dict[str, Any]:
         return {i: s for i, s in joiners.items() if i in result.succeeded}
 
@@ -215,16 +228,17 @@ class ReplicaPool:
         joiners, self.joining = self.joining, {}
         if not joiners:
             return None
-        stale = {i: s for i, s in joiners.items() if s.weight_version != version}
-        joined = {i: s for i, s in joiners.items() if i not in stale}
-        result = SyncResult(version, succeeded=list(joined))
-        if stale:
-            synced = await self.manager.sync(named_tensors, version, targets=stale)
-            result = _merged(result, synced)
-            joined.update(self._joined(synced, stale))
-            for i, why in synced.failed.items():
-                self._failed_to_join(i, stale[i], why)
-        await self._add(joined)
+        with self._in_transit(joiners):
+            stale = {i: s for i, s in joiners.items() if s.weight_version != version}
+            joined = {i: s for i, s in joiners.items() if i not in stale}
+            result = SyncResult(version, succeeded=list(joined))
+            if stale:
+                synced = await self.manager.sync(named_tensors, version, targets=stale)
+                result = _merged(result, synced)
+                joined.update(self._joined(synced, stale))
+                for i, why in synced.failed.items():
+                    self._failed_to_join(i, stale[i], why)
+            await self._add(joined)
         return result
 
     # ---- weight sync ---------------------------------------------------------------------
@@ -240,19 +254,20 @@ class ReplicaPool:
                     f"no rollout replica left to sync; removed: {self.removed}, "
                     f"replacements given up: {self.gave_up}"
                 )
-            if self.on_pause:
-                self.on_pause(True)
-            try:
-                targets = {**self.servers, **joiners}
-                result = await self.manager.sync(named_tensors, version, targets=targets)
-            finally:
+            with self._in_transit(joiners):
                 if self.on_pause:
-                    self.on_pause(False)
-            self.last_sync = result
-            failed = dict(result.failed)
-            for i in [i for i in failed if i in joiners]:
-                self._failed_to_join(i, joiners[i], failed.pop(i))
-            await self._add(self._joined(result, joiners))
+                    self.on_pause(True)
+                try:
+                    targets = {**self.servers, **joiners}
+                    result = await self.manager.sync(named_tensors, version, targets=targets)
+                finally:
+                    if self.on_pause:
+                        self.on_pause(False)
+                self.last_sync = result
+                failed = dict(result.failed)
+                for i in [i for i in failed if i in joiners]:
+                    self._failed_to_join(i, joiners[i], failed.pop(i))
+                await self._add(self._joined(result, joiners))
             if failed:
                 await self._remove(list(failed), failed)
             # Every replica was lost in this sync (it failed it, or a health check removed
@@ -313,9 +328,11 @@ class ReplicaPool:
 
     async def on_engine_error(self, exc: BaseException) -> bool:
         """For the agent loop: heal the pool after a failed generate; True to retry (a
-        replacement on its way counts: the retry waits in the balancer for it)."""
+        replacement on its way counts: the retry waits in the balancer for it). One being
+        synced to join counts too: it is in none of `servers`, `joining` or `replacing`
+        then, and a False here fails the request's group for nothing."""
         await self.check_health()
-        return bool(self.servers or self.joining or self.replacing)
+        return bool(self.servers or self.joining or self.admitting or self.replacing)
 
     def counts(self) -> dict[str, float]:
         return {
