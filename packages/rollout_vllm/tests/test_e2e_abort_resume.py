@@ -10,6 +10,7 @@ import pytest
 from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.ckpt_engine import CheckpointEngineManager
 from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+from offbeat.rollout_vllm import compat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
@@ -20,8 +21,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 def tokens_received(server) -> list[int]:
     """Output tokens each request inside the engine has delivered to this process so far
     (read from vLLM's output processor: an abort returns exactly these)."""
-    states = server.engine.output_processor.request_states.values()
-    return [s.detokenizer.num_output_tokens() for s in states if s.detokenizer is not None]
+    return compat.tokens_received(server.engine)
 
 
 async def wait_until_running(server, n: int, tokens: int = 2) -> None:

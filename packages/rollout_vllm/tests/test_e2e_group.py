@@ -18,6 +18,7 @@ import torch
 from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.ckpt_engine import CheckpointEngineManager
 from offbeat.core.rollout import GroupRolloutServer, PartialRolloutClient, PartialRolloutConfig
+from offbeat.rollout_vllm.compat import tokens_received
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
 
@@ -50,9 +51,8 @@ def check_logprobs(model, prompt: list[int], out) -> None:
 async def wait_for_tokens(server, n: int) -> None:
     """Until `n` samples inside the engine have produced a token (read from vLLM's output
     processor, test-only), so an abort now lands mid-response."""
-    states = server.engine.output_processor.request_states
     for _ in range(4000):
-        if sum(s.detokenizer.num_output_tokens() > 0 for s in list(states.values())) >= n:
+        if sum(t > 0 for t in tokens_received(server.engine)) >= n:
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"fewer than {n} samples produced a token in 20 s")

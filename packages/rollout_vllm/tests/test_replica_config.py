@@ -32,7 +32,7 @@ def test_engine_kwargs_carry_what_the_job_owns():
 
 @pytest.mark.slow
 def test_vllm_applies_the_overrides_to_the_model_config(tmp_path):
-    from vllm import AsyncEngineArgs  # imports vLLM (seconds); starts no engine
+    from offbeat.rollout_vllm.compat import AsyncEngineArgs  # imports vLLM; starts no engine
 
     model = build_tiny_model(
         tmp_path / "m", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,

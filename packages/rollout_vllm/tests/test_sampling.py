@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from vllm.sampling_params import RequestOutputKind
 
 from offbeat.rollout_vllm._sampling import sampling_keys, to_sampling_params
+from offbeat.rollout_vllm.compat import RequestOutputKind
 
 
 def test_keys_pass_through_and_hot_path_fields_are_forced():

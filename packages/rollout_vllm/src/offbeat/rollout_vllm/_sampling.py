@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind, SamplingType
+from offbeat.rollout_vllm.compat import (
+    RequestOutputKind,
+    SamplingParams,
+    SamplingType,
+    sampling_param_fields,
+)
 
 __all__ = ["FORCED_KEYS", "sampling_keys", "score_params", "to_sampling_params"]
 
@@ -24,8 +28,7 @@ FORCED_KEYS: frozenset[str] = frozenset({"logprobs", "detokenize", "output_kind"
 
 def sampling_keys() -> frozenset[str]:
     """Every key `to_sampling_params` accepts."""
-    fields = {f for f in SamplingParams.__struct_fields__ if not f.startswith("_")}
-    return frozenset(fields) | {"max_new_tokens"}
+    return sampling_param_fields() | {"max_new_tokens"}
 
 
 def to_sampling_params(params: Mapping[str, Any], n: int = 1) -> SamplingParams:

