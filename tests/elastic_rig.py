@@ -11,7 +11,9 @@ engine costs 30-70 s here, so one rig serves many checks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,17 +133,62 @@ async def start_rig(cfg: Any) -> Rig:
     return rig
 
 
-async def kill_when_serving(
-    rig: Rig, server_id: str, server: Any, task: Any, calls: int = 2
-) -> float:
-    """Kill `server`'s actor once it has served `calls` calls (or `task` ended); returns
-    when (perf_counter)."""
+async def _answers(server: Any) -> bool:
     import ray
 
-    while rig.client.served_calls.get(server_id, 0) < calls and not task.done():
-        await asyncio.sleep(0.01)
-    await asyncio.to_thread(ray.kill, server.handle)
-    return time.perf_counter()
+    try:
+        await server.handle.get_weight_version.remote()
+    except ray.exceptions.RayActorError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def kill_when_serving(rig: Rig, server: Any) -> Iterator[dict[str, Any]]:
+    """While the block runs, kill `server`'s actor under the first request leased to it.
+
+    That request is in flight when the actor dies (leased to it, its caller waiting for
+    the answer), and is sent to the actor only once the actor answers no call: it cannot
+    be answered there, so the caller's retry has to take it elsewhere. (Killing after a
+    number of served calls instead may land after the work it was meant to cut had
+    finished.) Yields what the kill saw, filled in when it lands: `request` (that
+    request's id), `served` (the client's served calls per replica at that moment), `at`
+    (perf_counter); and `answered`: request id -> the standalone replica that answered
+    it, for every request answered after the kill."""
+    import ray
+
+    kill: dict[str, Any] = {"answered": {}}
+    others = {i: s for i, s in rig.pool.servers.items() if s is not server}
+    victim_generate = server.generate
+
+    async def victim(request_id, prompt_ids, sampling_params):
+        if "request" not in kill:
+            kill.update(request=request_id, served=dict(rig.client.served_calls))
+            kill["at"] = time.perf_counter()
+            await asyncio.to_thread(ray.kill, server.handle)
+            while await _answers(server):
+                await asyncio.sleep(0.05)
+        return await victim_generate(request_id, prompt_ids, sampling_params)
+
+    def answering(server_id: str, other: Any):
+        real = other.generate
+
+        async def generate(request_id, prompt_ids, sampling_params):
+            out = await real(request_id, prompt_ids, sampling_params)
+            if "request" in kill:
+                kill["answered"][request_id] = server_id
+            return out
+
+        return generate
+
+    server.generate = victim  # the client looks `generate` up on the server at each call
+    for i, other in others.items():
+        other.generate = answering(i, other)
+    try:
+        yield kill
+    finally:
+        for s in (server, *others.values()):
+            vars(s).pop("generate", None)
 
 
 async def replace_and_time(rig: Rig, version: int) -> tuple[str, float, dict]:

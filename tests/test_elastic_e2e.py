@@ -98,6 +98,7 @@ def test_a_hybrid_replica_killed_during_validation_is_dropped(rig):
     # ... so during validation: that request and others were still unanswered then
     assert kill.get("request", "").startswith("val-"), kill
     answered_then = sum(kill["served"].values()) - sum(served0.values())
+    print(f"\nkilled under {kill['request']}, {answered_then} of {rows} prompts answered then")
     assert answered_then < rows, (answered_then, rows)  # one greedy call a prompt
     # the dead replica's request was retried on the standalone replica, and validation
     # finished every prompt, with the answers the standalone replica alone gives

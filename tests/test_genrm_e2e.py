@@ -110,12 +110,12 @@ def test_url_judge_served_by_vllms_openai_server(tmp_path):
     """`reward.genrm.url`: the same tiny judge behind `vllm serve`'s /v1/completions."""
     from transformers import AutoTokenizer
 
+    from offbeat.core.models import cache_root
     from offbeat.core.rewards.genrm import GenRMJudge, from_config
     from offbeat.core.rewards.genrm_job import prepare_genrm
     from offbeat.core.rewards.genrm_sft import JudgeSFTConfig, judge_rows
 
-    cache = Path(os.environ.get("OFFBEAT_CACHE_DIR", Path.home() / ".cache" / "offbeat"))
-    cfg = prepare_genrm(genrm_config(tmp_path, "url"), cache)  # the cached judge
+    cfg = prepare_genrm(genrm_config(tmp_path, "url"), cache_root())  # the cached judge
     model = dict(cfg.reward.genrm)["model_path"]
     port = _free_port()
     log = (tmp_path / "server.log").open("w")

@@ -5,8 +5,8 @@ trainer process, the warm-started tiny model on the default addition task.
 
 One run of RUN_STEPS steps checkpoints at its end; the checkpoint is then loaded into
 fresh engines (critic, reference, KL controller compared with the run's), and a resumed
-run continues from it. Explained variance must rise over the run, the KL stay positive
-and bounded.
+run continues from it. The trained critic must explain more of step 1's returns than its
+fresh self did, the KL stay positive and bounded.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from offbeat.core.trainer.job import (  # noqa: E402
 RUN_STEPS = 10
 RESUMED_STEPS = 12
 KL_BOUND = 1.0  # far below the clamp (10); the run reads at most ~0.2
-# The trained critic against its fresh self on step 1's batch (see the test for numbers).
-EV_GAIN = 0.1
-VF_LOSS_FACTOR = 1.5
+# The trained critic against its fresh self on step 1's batch: explained variance up by at
+# least EV_GAIN (two runs here: -0.19 -> -0.03, -0.28 -> +0.01; a critic that does not
+# learn: up by exactly 0).
+EV_GAIN = 0.05
 
 
 def overrides(tmp: Path, *extra: str) -> list[str]:
@@ -124,7 +125,7 @@ def record_critic_batches(monkeypatch) -> list[dict]:
 
 
 def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
-    from offbeat.core.algorithms import explained_variance, masked_mean
+    from offbeat.core.algorithms import explained_variance
     from offbeat.core.train import build_actor_engine
     from offbeat.core.trainer.reference import KLSettings, Reference
 
@@ -142,9 +143,10 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     # The critic learned. Step-to-step metrics swing by 0.2 with 32 trajectories a batch,
     # so compare the critic with itself on one fixed batch: step 1's, whose values the
     # fresh head gave before any update, against the returns it was trained towards then.
-    # The trained critic must explain EV_GAIN more of their variance and cut the squared
-    # error by VF_LOSS_FACTOR; a critic that never stepped gives step 1's values again
-    # (gain 0, factor 1), whatever the batches did.
+    # The trained critic must explain EV_GAIN more of their variance; a critic that never
+    # stepped gives step 1's values again (gain 0), whatever the batches did. (Not the
+    # squared error: it counts the mean too, and the mean return moved on as the policy
+    # learned, so the trained critic's error on that old batch may even be larger.)
     trainer = summary["trainer"]
     done = trainer.critic_ref
     first = critic_batches[0]
@@ -154,17 +156,13 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     )
     ev_before = explained_variance(first["values"], first["returns"], mask)
     ev_after = explained_variance(after, first["returns"], mask)
-    loss_before = float(masked_mean((first["values"] - first["returns"]) ** 2, mask))
-    loss_after = float(masked_mean((after - first["returns"]) ** 2, mask))
     ev = [r["critic/vf_explained_var"] for r in rows]
     print(
         f"explained variance per step {ev} (second half's median "
-        f"{statistics.median(ev[RUN_STEPS // 2 :]):.3f})\non step 1's batch: explained "
-        f"variance {ev_before:.3f} -> {ev_after:.3f}, value loss {loss_before:.4f} -> "
-        f"{loss_after:.4f}"
+        f"{statistics.median(ev[RUN_STEPS // 2 :]):.3f}); on step 1's batch, before and "
+        f"after training: {ev_before:.3f} -> {ev_after:.3f}"
     )
     assert ev_after > ev_before + EV_GAIN, (ev_before, ev_after)
-    assert loss_after < loss_before / VF_LOSS_FACTOR, (loss_before, loss_after)
     for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "actor/kl_loss"):
         assert all(key in r for r in rows), key
     # KL to the reference positive and bounded. The first batches were sampled by version

@@ -178,15 +178,18 @@ def is_straggler(row) -> bool:
     return (row.get("sampling") or {}).get("max_tokens") is not None
 
 
-def hold_stragglers(monkeypatch) -> tuple[object, set[str]]:
+def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
     """Make every straggler of the module's data (every 4th row: 40 tokens) a sure
     eviction under drop: its generation starts only once the batch of the step after its
     submission was taken, so it finishes at span 3 > THRESHOLD, whatever the machine's
     speed (left alone, a 40-token straggler is done within the step after its submission
-    and trained at span 2, so a run evicts nothing). A checkpoint waits for the released
-    ones to finish, so it holds them finished at their submission step (a group still
-    generating is saved as a prompt to re-issue, re-submitted at the restored step).
-    Returns (JobHooks for the run, the uids of the stragglers held)."""
+    and trained at span 2, so a run evicts nothing). A checkpoint before the run's last
+    step waits for the released ones to finish, so it holds them finished at their
+    submission step (a group still generating is saved as a prompt to re-issue,
+    re-submitted at the restored step). Returns (JobHooks for the run, the uids of the
+    stragglers held, the seconds each such checkpoint waited)."""
+    import time
+
     from offbeat.core.buffer.replay_buffer import ReplayBuffer
     from offbeat.core.trainer.job import JobHooks
     from offbeat.core.trainer.trainer import Trainer
@@ -195,6 +198,7 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str]]:
     taken: list[int] = [0]  # the steps whose batches were taken, both runs
     released: set[str] = set()  # stragglers generating now
     held: set[str] = set()
+    waited: list[float] = []
     real_take, real_sample, real_save = (
         ReplayBuffer.take_pending, ReplayBuffer.sample, Trainer._save,
     )  # fmt: skip
@@ -210,8 +214,11 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str]]:
         return batch
 
     async def save(self):
-        while released:
-            await asyncio.sleep(0.02)
+        if self.step < self.s.total_training_steps:
+            t0 = time.perf_counter()
+            while released:
+                await asyncio.sleep(0.02)
+            waited.append(time.perf_counter() - t0)
         await real_save(self)
 
     class Holding:
@@ -236,7 +243,7 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str]]:
     monkeypatch.setattr(ReplayBuffer, "take_pending", take_pending)
     monkeypatch.setattr(ReplayBuffer, "sample", sample)
     monkeypatch.setattr(Trainer, "_save", save)
-    return JobHooks(wrap_agent=Holding), held
+    return JobHooks(wrap_agent=Holding), held, waited
 
 
 def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
@@ -245,7 +252,7 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     cfg = config(tmp, "drop", "trainer.total_training_steps=3", "trainer.save_freq=1")
     # The stragglers submitted at step 1 are released once step 2's batch is taken, saved
     # finished with the kill after step 2, and evicted at step 3 by the resumed run.
-    hooks, held = hold_stragglers(monkeypatch)
+    hooks, held, waited = hold_stragglers(monkeypatch)
 
     real_save = CheckpointManager.save
 
@@ -278,7 +285,10 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     assert [r["weight_version"] for r in rows] == [start + 1, start + 2, start + 3]
     assert all(r["off_policy/trajectory_spans_max"] <= THRESHOLD for r in rows)
     counts = trainer.buffer.core.counts()
-    print(f"evicted per step {[r['buffer/evicted'] for r in rows]}; buffer {counts}")
+    print(
+        f"evicted per step {[r['buffer/evicted'] for r in rows]}; buffer {counts}; "
+        f"checkpoints waited {[round(w, 2) for w in waited]} s for released stragglers"
+    )
     # drop evicted the stale stragglers, and only them (the resumed run read them from the
     # checkpoint); none was trained
     assert counts["evicted"] > 0 and counts["failed"] == 0, counts
