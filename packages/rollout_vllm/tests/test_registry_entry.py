@@ -3,6 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
+# A fresh interpreter that imports vLLM (~20 s here): the full tier, not --fast.
+pytestmark = pytest.mark.slow
+
 
 def test_vllm_is_a_registered_rollout_engine_once_installed():
     code = (
