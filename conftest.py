@@ -70,7 +70,17 @@ def pytest_report_header(config):
     return f"offbeat tier: {tier}; cache: {os.environ['OFFBEAT_TEST_CACHE']}"
 
 
+# The default for a test marked e2e, slow or ray that sets no timeout of its own (units:
+# pyproject's 120 s). CI machines have run the suite 1.5x slower than a developer's.
+MARKED_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("timeout") is None and any(
+            item.get_closest_marker(m) for m in FAST_EXCLUDES
+        ):
+            item.add_marker(pytest.mark.timeout(MARKED_TIMEOUT_S))
     if not config.getoption("--fast"):
         return
     keep, drop = [], []

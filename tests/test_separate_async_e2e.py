@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -36,6 +36,10 @@ def test_after_the_timeout_the_session_goes_on():
 def test_marked_e2e():
     pass
 
+@pytest.mark.slow
+def test_marked_slow_timeout(request):
+    print("MARKED", request.node.get_closest_marker("timeout").args)
+
 def test_starts_ray_unmarked():
     import ray
     ray.init(num_cpus=1)
@@ -63,11 +67,16 @@ def test_a_timeout_prints_every_thread_and_task_and_fails_only_that_test(tmp_pat
     assert "1 failed, 1 passed" in text
 
 
+def test_a_marked_test_without_a_timeout_of_its_own_gets_the_marked_default(tmp_path):
+    out = child_pytest(tmp_path, "-k", "marked_slow_timeout")
+    assert "MARKED (900,)" in out.stdout, out.stdout[-2000:]  # conftest.MARKED_TIMEOUT_S
+
+
 def test_the_fast_tier_deselects_marked_tests_and_refuses_ray(tmp_path):
     pytest.importorskip("ray")
     out = child_pytest(tmp_path, "--fast", "-k", "not hangs", "-rA")
     text = out.stdout + out.stderr
-    assert "2 deselected" in text, text[-3000:]  # -k's and the tier's
+    assert "3 deselected" in text, text[-3000:]  # -k's and the tier's two
     assert "test_marked_e2e" not in text  # never run, so never reported under -rA
     assert "starts Ray in the fast tier: mark it @pytest.mark.ray" in text
     assert "1 failed, 1 passed" in text

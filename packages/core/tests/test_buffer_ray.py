@@ -7,7 +7,7 @@ import pytest
 from offbeat.core.buffer import BufferConfig, make_buffer_actor
 from offbeat.core.data import Trajectory
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from trainer_fakes import Harness, check_accounting
 from offbeat.core.models import build_tiny_model
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerRankFailed
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 class DiesAtStep(TrainerGroup):

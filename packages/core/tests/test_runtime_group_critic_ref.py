@@ -15,7 +15,7 @@ from test_runtime_group import job, make_batch
 
 from offbeat.core.models import build_tiny_model
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.core.trainer.replicas import ReplicaPool
 from offbeat.rollout_sglang import SGLangHTTPError, SGLangRolloutServer, SGLangServerConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 async def _removed_from_balancer(server, error: BaseException) -> str:

@@ -11,7 +11,7 @@ from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.core.rollout.client import PartialRolloutClient, PartialRolloutConfig
 from offbeat.rollout_sglang import SGLangRequestRejected
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = [11, 12, 13]
 

@@ -9,7 +9,7 @@ import pytest
 from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.rollout_sglang import RemoteSGLangServer, SGLangServerConfig, sglang_server_actor
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

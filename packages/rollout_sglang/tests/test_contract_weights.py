@@ -10,7 +10,7 @@ import pytest
 from offbeat.ckpt_engine.target import ReceiveSpec
 from offbeat.rollout_sglang import SGLangHTTPError, SGLangRolloutServer, SGLangServerConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NCCL = {
     "master_address": "10.0.0.1",

@@ -12,7 +12,7 @@ from offbeat.ckpt_engine import CheckpointEngineManager
 from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
 from offbeat.rollout_vllm import compat
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
 BUDGET = 200  # longest prompt (48 tokens) + 200 < max_model_len (256)
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

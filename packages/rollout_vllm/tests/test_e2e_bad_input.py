@@ -7,7 +7,7 @@ import pytest
 from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.core.rollout import PartialRolloutClient
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
 
 @pytest.mark.parametrize(

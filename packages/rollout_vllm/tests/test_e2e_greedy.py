@@ -10,7 +10,7 @@ from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.ckpt_engine import SyncTarget
 from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig, RolloutServer
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
 N = 24
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

