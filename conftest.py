@@ -114,19 +114,31 @@ def _no_ray_in_the_fast_tier(request):
         yield
 
 
+# The whole machine as the session started: what every test gets back afterwards. (Taken
+# per test it would keep what a module fixture's job set up: prepare() sizes torch to one
+# thread and jobs pin this process to the trainer's core, and the rest of the session then
+# ran its builds and engines on one core.)
+_SESSION_AFFINITY = os.sched_getaffinity(0)
+_SESSION_TORCH_THREADS: list[int] = []
+
+
 @pytest.fixture(autouse=True)
 def _restore_process_threads():
     """A job pins this process to the trainer's core and sizes torch's thread pool for it;
     the tests after it get the whole machine back."""
-    affinity = os.sched_getaffinity(0)
     torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch is not None else None
+    if torch is not None and not _SESSION_TORCH_THREADS:
+        _SESSION_TORCH_THREADS.append(max(torch.get_num_threads(), len(_SESSION_AFFINITY)))
     yield
-    if os.sched_getaffinity(0) != affinity:
-        os.sched_setaffinity(0, affinity)
+    if os.sched_getaffinity(0) != _SESSION_AFFINITY:
+        os.sched_setaffinity(0, _SESSION_AFFINITY)
     torch = sys.modules.get("torch")
-    if torch is not None and threads is not None and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
+    if (
+        torch is not None
+        and _SESSION_TORCH_THREADS
+        and torch.get_num_threads() != _SESSION_TORCH_THREADS[0]
+    ):
+        torch.set_num_threads(_SESSION_TORCH_THREADS[0])
 
 
 # Logical CPUs: e2e modules ask for up to 4 each and may overlap by a leftover actor;

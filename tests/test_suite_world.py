@@ -92,3 +92,29 @@ def test_the_cache_is_the_sessions_own_never_the_users(tmp_path):
     assert not Path(offbeat_cache).exists()  # the child removed the cache it made
     # and this session's own cache is not the user's either
     assert not Path(os.environ["OFFBEAT_CACHE_DIR"]).is_relative_to(home_cache)
+
+
+@pytest.fixture(scope="module")
+def pinned_world():
+    """What a module's job world does at set-up: pin this process, torch on one thread."""
+    import torch
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    yield
+
+
+def test_inside_a_world_that_pins_the_process(pinned_world):
+    import torch
+
+    assert len(os.sched_getaffinity(0)) == 1 and torch.get_num_threads() == 1
+
+
+def test_after_it_the_next_test_gets_the_whole_machine_back():
+    import torch
+
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("one core: pinning is not visible")
+    assert len(os.sched_getaffinity(0)) == cores  # the session's, not the world's
+    assert torch.get_num_threads() >= 2
