@@ -68,6 +68,11 @@ class RuntimeConfig:
     rollout_cpus: list[int] = field(default_factory=list)
     rollout_num_cpus: float = 1.0  # Ray CPUs per rollout replica actor
     rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
+    # One GPU for the trainer and the last replica (e.g. a one-GPU machine): the trainer in
+    # the driver takes the last replica's GPU instead of the next one, and the two split its
+    # memory (the replica takes rollout.engine_kwargs.gpu_memory_utilization of it).
+    # resources still count the trainer's device: devices_per_node=2 with one GPU.
+    share_trainer_gpu: bool = False
     # The trainer: null (auto) runs one rank on a local one-node Ray in this process (no
     # actor); otherwise resources.trainer_devices rank actors on the trainer pool.
     trainer_in_driver: bool | None = None
@@ -295,13 +300,15 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
 
 def split_gpus(cfg: RunConfig) -> int | None:
     """On a CUDA machine with a local Ray: Ray is given the first `rollout_devices` GPUs
-    (the replicas') and this process, the trainer, takes the next one; returns the GPUs
-    Ray may hand out (None: nothing to split). A Ray cluster that is joined places replicas
-    on whatever GPUs it has: start it without the trainer's GPU."""
+    (the replicas') and this process, the trainer, takes the next one, or with
+    `runtime.share_trainer_gpu` the last replica's; returns the GPUs Ray may hand out
+    (None: nothing to split). A Ray cluster that is joined places replicas on whatever
+    GPUs it has: start it without the trainer's GPU."""
     if cfg.resources.device != "cuda" or cfg.runtime.ray_address or not _trainer_in_driver(cfg):
         return None  # a trainer group takes its GPUs from the trainer pool
-    torch.cuda.set_device(cfg.resources.rollout_devices)
-    return cfg.resources.rollout_devices
+    n = cfg.resources.rollout_devices
+    torch.cuda.set_device(n - 1 if getattr(cfg.runtime, "share_trainer_gpu", False) else n)
+    return n
 
 
 def pin_trainer(rt: RuntimeConfig) -> None:
@@ -659,7 +666,11 @@ async def run_with_replicas(
             summary = await trainer.run()
         finally:
             tracker.close()
-        plot = tracker.plot()
+        try:
+            plot = tracker.plot()
+        except ImportError as e:  # matplotlib missing: keep the run's results, skip the PNG
+            logger.warning("no reward plot: %s", e)
+            plot = None
     finally:
         if pool is not None:
             await pool.close()

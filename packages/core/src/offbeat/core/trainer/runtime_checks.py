@@ -82,10 +82,30 @@ def _replicas_get_the_configured_device(cfg: Any, p: Problems) -> None:
             f"with resources.device='cuda' each replica is given its "
             f"rollout.tensor_parallel_size={tp} GPUs: set {tp}",
         )
+    share = bool(getattr(rt, "share_trainer_gpu", False))
+    if share:
+        from offbeat.core.runtime.launch import trainer_in_driver
+
+        util = cfg.rollout.engine_kwargs.get("gpu_memory_utilization")
+        if device != "cuda" or rt.ray_address or not trainer_in_driver(cfg):
+            p.add(
+                "runtime.share_trainer_gpu",
+                True,
+                "shares a local GPU between the trainer in this process and a replica: needs "
+                "resources.device=cuda, a local Ray and the trainer in the driver",
+            )
+        elif not isinstance(util, int | float) or not 0 < util <= 0.9:
+            p.add(
+                "rollout.engine_kwargs.gpu_memory_utilization",
+                util,
+                "with runtime.share_trainer_gpu=true the replica must leave the trainer its "
+                "part of the GPU: set its share, e.g. 0.4",
+            )
     if device == "cuda" and not rt.ray_address and type(cfg.resources.devices_per_node) is int:
         import torch
 
-        need = cfg.resources.devices_per_node  # one node: the trainer's GPU + the replicas'
+        # one node: the trainer's GPU + the replicas' (shared: the last replica's)
+        need = cfg.resources.devices_per_node - (1 if share else 0)
         if torch.cuda.is_available() and torch.cuda.device_count() < need:
             p.add(
                 "resources.devices_per_node",
