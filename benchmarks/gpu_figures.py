@@ -122,6 +122,7 @@ async def throughput(args: argparse.Namespace) -> None:
 
     root = Path(tempfile.mkdtemp(prefix="gpufig-"))
     model = build_qwen05(root)
+    params = n_params(model)
     kw = engine_kwargs(args.mem, args.prompts)
     ray.init(num_gpus=1, num_cpus=8, include_dashboard=False, log_to_driver=True)
     t0 = time.perf_counter()
@@ -138,7 +139,7 @@ async def throughput(args: argparse.Namespace) -> None:
     )
     local_start = time.perf_counter() - t0
     client = PartialRolloutClient(
-        AsyncLoadBalancer({remote.server_id: remote}),
+        AsyncLoadBalancer({"actor": remote}),
         PartialRolloutConfig(max_tokens=args.max_tokens),
     )
     prompts = make_prompts(args.prompts)
@@ -166,7 +167,7 @@ async def throughput(args: argparse.Namespace) -> None:
     print()
     print(f"GPU: {gpu_line()}")
     print(
-        f"model: random Qwen2-0.5B-shaped ({n_params(model) / 1e6:.0f}M params, byte vocab), "
+        f"model: random Qwen2-0.5B-shaped ({params / 1e6:.0f}M params, byte vocab), "
         f"bf16, enforce_eager, gpu_memory_utilization {args.mem} per engine (both engines up); "
         f"{args.prompts} prompts of 16-64 tokens x {args.max_tokens} new tokens (greedy, "
         f"ignore_eos); {args.repeats} alternating pairs after a warm-up; engine start: Ray "
@@ -260,6 +261,7 @@ def shaped_model(root: Path, shape: str) -> Path:
     for f in out.glob("*.safetensors*"):
         f.unlink()
     cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("layer_types", None)
     cfg.update(SHAPES[shape])
     cfg["torch_dtype"] = cfg["dtype"] = "bfloat16"
     cfg["max_position_embeddings"] = 4096

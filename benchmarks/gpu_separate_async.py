@@ -77,6 +77,9 @@ def main() -> None:
     import torch
 
     from offbeat.core.cli import load_recipe_config
+    from offbeat.rollout_vllm.replica import register
+
+    register()  # also where the packages are on PYTHONPATH only (no entry points)
 
     args = sys.argv[1:]
     extra = []

@@ -49,6 +49,9 @@ def test_separate_async_learns_on_one_shared_gpu(tmp_path):
 
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.trainer.job import run_job
+    from offbeat.rollout_vllm.replica import register
+
+    register()  # also where the packages are on PYTHONPATH only (no entry points)
 
     extra = os.environ.get("OFFBEAT_GPU_TEST_OVERRIDES", "").split()  # e.g. model.dtype=...
     _, cfg = load_recipe_config(
