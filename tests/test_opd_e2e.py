@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(2700)]
+pytestmark = [
+    pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(2700),
+    pytest.mark.usefixtures("prebuilt"),  # the judge / teachers built in the background
+]  # fmt: skip
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1200),
+    pytest.mark.usefixtures("prebuilt"),  # the tool-trace warm start built in the background
+]  # fmt: skip
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 

@@ -92,6 +92,7 @@ class VLLMRolloutServer:
         self._sleep_mode_available = compat.sleep_mode_available()
         if self._sleep_mode_available:
             engine_kwargs.setdefault("enable_sleep_mode", True)
+        compat.one_process_engine(engine_kwargs)  # CPU: the worker in the engine core
         try:
             args = compat.AsyncEngineArgs(model=config.model, **engine_kwargs)
         except TypeError as e:

@@ -103,12 +103,21 @@ def make_rows(
 
 
 def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write rows atomically (temp + rename)."""
+    """Write rows atomically (a temp file of this writer's own, then rename): concurrent
+    writers of one path (test workers, a background build) never interleave their bytes."""
+    import os
+    import tempfile
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    tmp.replace(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
