@@ -39,6 +39,33 @@ def test_parquet_round_trip_and_disjoint_val(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
+def test_two_writers_of_one_file_in_flight_at_once_never_share_a_temp_file(
+    tmp_path, monkeypatch
+):
+    """Test workers and the background builds write the same cached task file at times:
+    a second writer that starts while the first is writing must not write into the first
+    one's temp file (a shared one got truncated under the first and renamed into place)."""
+    import pyarrow.parquet as pq
+
+    from offbeat.core.tasks import synthetic, write_parquet
+
+    real = pq.write_table
+    temps: list[str] = []
+    rows_a, rows_b = make_rows("add", 5, seed=1), make_rows("add", 7, seed=2)
+
+    def write_table(table, where, *a, **k):
+        temps.append(str(where))
+        if len(temps) == 1:  # the second writer runs while the first is in write_table
+            write_parquet(rows_b, tmp_path / "task.parquet")
+        return real(table, where, *a, **k)
+
+    monkeypatch.setattr(synthetic.pq, "write_table", write_table)
+    write_parquet(rows_a, tmp_path / "task.parquet")
+    assert len(temps) == 2 and temps[0] != temps[1]
+    assert read_parquet(tmp_path / "task.parquet") == rows_a  # the last rename wins, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["task.parquet"]  # no temp file left
+
+
 def test_changed_row_counts_rewrite_the_files_instead_of_reusing_them(tmp_path):
     """`task.n_val=256` after a run that wrote 64 rows into the same directory."""
     train, val = write_task_files(tmp_path, "add", n_train=20, n_val=4, seed=2)

@@ -153,3 +153,37 @@ def test_a_release_missing_a_name_fails_naming_it(monkeypatch):
     assert f"`{module}.{name}`" in msg
     assert ">=0.24,<0.33" in msg
     assert "needs vLLM" not in msg
+
+
+class _Platform:
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+
+    def is_cpu(self) -> bool:
+        return self.cpu
+
+
+@pytest.mark.parametrize(
+    ("cpu", "env", "kwargs", "folded"),
+    [
+        (True, None, {}, True),
+        (True, None, {"distributed_executor_backend": "uni", "tensor_parallel_size": 1}, True),
+        (True, None, {"tensor_parallel_size": 2}, False),
+        (True, None, {"data_parallel_size": 2}, False),
+        (True, None, {"distributed_executor_backend": "mp"}, False),
+        (True, "1", {}, False),  # the user's choice stands
+        (False, None, {}, False),  # GPUs: vLLM's own default
+    ],
+)
+def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core(
+    monkeypatch, cpu, env, kwargs, folded
+):
+    monkeypatch.setattr(compat, "_current_platform", _Platform(cpu))
+    if env is None:
+        monkeypatch.delenv(compat.ONE_PROCESS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(compat.ONE_PROCESS_ENV, env)
+    import os
+
+    assert compat.one_process_engine(dict(kwargs)) is folded
+    assert os.environ.get(compat.ONE_PROCESS_ENV) == ("0" if folded else env)

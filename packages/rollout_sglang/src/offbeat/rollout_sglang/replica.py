@@ -72,14 +72,28 @@ def server_args_of(job: Any) -> dict[str, Any]:
     return {**args, **job.rollout.engine_kwargs}
 
 
-def sglang_server_actor(config: Any, **ray_options: Any) -> Any:
-    """Start `SGLangRolloutServer(config)` as an async Ray actor; return its handle."""
+def sglang_server_actor(config: Any, *, cpus: list[int] | None = None, **ray_options: Any) -> Any:
+    """Start `SGLangRolloutServer(config)` as an async Ray actor; return its handle.
+    `cpus`: cores that the actor, the SGLang server process it launches and everything that
+    one starts are confined to (None or empty: no confinement)."""
     import ray
 
     from offbeat.rollout_sglang.server import SGLangRolloutServer
 
     options = {"num_cpus": 1, "max_concurrency": 100_000, **ray_options}
-    return ray.remote(**options)(SGLangRolloutServer).remote(config)
+    if not cpus:
+        return ray.remote(**options)(SGLangRolloutServer).remote(config)
+
+    class PinnedSGLangServer(SGLangRolloutServer):
+        """Pins its process before the server process is launched (children inherit it)."""
+
+        def __init__(self, config: Any, cpus: list[int]) -> None:
+            from offbeat.core.cpus import pin_process
+
+            pin_process(cpus)
+            super().__init__(config)
+
+    return ray.remote(**options)(PinnedSGLangServer).remote(config, list(cpus))
 
 
 class RemoteSGLangServer:
@@ -131,21 +145,38 @@ class RemoteSGLangServer:
         return await self.handle.status.remote()
 
 
-def sglang_replica(job: Any, model_path: str, index: int) -> Any:
-    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor."""
+def sglang_replica(
+    job: Any,
+    model_path: str,
+    index: int,
+    *,
+    server_id: str | None = None,
+    cpus: list[int] | None = None,
+    **ray_options: Any,
+) -> Any:
+    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor, called
+    as the job calls every engine factory: `ray_options` (the `scheduling_strategy` of its
+    bundle in the rollout pool, a hybrid replica's place) go to the actor; `server_id`: its
+    name (default `rollout-<index>`); `cpus`: its cores (default: its share of
+    `runtime.rollout_cpus`)."""
+    from offbeat.core.cpus import share_of
     from offbeat.rollout_sglang.server import SGLangServerConfig
 
     rt = job.runtime
+    if cpus is None and rt.rollout_cpus:  # the same share a vLLM replica takes
+        replicas = max(1, job.resources.rollout_devices // job.rollout.tensor_parallel_size)
+        cpus = share_of(list(rt.rollout_cpus), replicas, index)
     # SGLang's CUDA stack usually lives in an environment of its own: name its python.
     python = os.environ.get(SGLANG_PYTHON)
     config = SGLangServerConfig(
         model=model_path,
         server_args=server_args_of(job),
-        server_id=f"rollout-{index}",
+        server_id=server_id or f"rollout-{index}",
         env=dict(rt.rollout_env),
         command=[python, "-m", "sglang.launch_server"] if python else None,
     )
-    handle = sglang_server_actor(config, num_cpus=rt.rollout_num_cpus, num_gpus=rt.rollout_num_gpus)
+    options = {"num_cpus": rt.rollout_num_cpus, "num_gpus": rt.rollout_num_gpus, **ray_options}
+    handle = sglang_server_actor(config, cpus=cpus, **options)
     return RemoteSGLangServer(handle, weight_version=config.weight_version)
 
 
