@@ -393,6 +393,36 @@ def test_cuda_without_gpus_for_the_replicas_is_rejected_where_cuda_exists(monkey
         )  # fmt: skip
 
 
+def test_one_gpu_shared_by_the_trainer_and_the_replica(monkeypatch):
+    """runtime.share_trainer_gpu: one GPU (devices_per_node still counts it twice) passes
+    with a replica share below the whole GPU; the trainer in the driver takes the last
+    replica's GPU; a share that leaves the trainer nothing, or a trainer outside the
+    driver, is refused."""
+    import torch
+
+    from offbeat.core.trainer.job import split_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    one_gpu = ["resources.device=cuda", "runtime.rollout_num_gpus=1", "runtime.trainer_cpus=[]",
+               "runtime.rollout_cpus=[]", "runtime.share_trainer_gpu=true"]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", one_gpu)  # the replica would take it all
+    assert [p.key for p in info.value.problems] == ["rollout.engine_kwargs.gpu_memory_utilization"]
+    _, cfg = load_recipe_config(
+        "separate_async", [*one_gpu, "+rollout.engine_kwargs.gpu_memory_utilization=0.4"]
+    )
+    assert split_gpus(cfg) == 1 and chosen == [0]  # Ray: GPU 0; the trainer: GPU 0 too
+    with pytest.raises(ConfigError, match="the trainer in the driver"):
+        load_recipe_config(
+            "separate_async",
+            [*one_gpu, "+rollout.engine_kwargs.gpu_memory_utilization=0.4",
+             "runtime.trainer_in_driver=false"],
+        )  # fmt: skip
+
+
 def test_npu_without_the_plugin_names_the_package(monkeypatch):
     from offbeat.core.registry import DEVICES
 
