@@ -76,7 +76,7 @@ MARKED_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config, items):
-    _prebuilt_last(items)
+    session_order(items)
     for item in items:
         if item.get_closest_marker("timeout") is None and any(
             item.get_closest_marker(m) for m in FAST_EXCLUDES
@@ -99,6 +99,15 @@ def pytest_collection_modifyitems(config, items):
 SHARED_SESSION_DIRS = ("packages/rollout_vllm/tests/", "packages/rollout_sglang/tests/")
 
 
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work one xdist worker takes whole: the test file, or the directory of
+    SHARED_SESSION_DIRS it is in."""
+    for d in SHARED_SESSION_DIRS:
+        if nodeid.startswith(d):
+            return d
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
@@ -108,25 +117,23 @@ def pytest_xdist_make_scheduler(config, log):
         tests last), not largest first."""
 
         def _split_scope(self, nodeid):
-            for d in SHARED_SESSION_DIRS:
-                if nodeid.startswith(d):
-                    return d
-            return nodeid.split("::", 1)[0]
+            return xdist_scope(nodeid)
 
     config.option.loadscopereorder = False
     return SessionWorldScheduling(config, log)
 
 
 def pytest_collection_finish(session):
-    if any("prebuilt" in getattr(item, "fixturenames", ()) for item in session.items):
+    if any(_needs_prebuild(item) for item in session.items):
         _start_prebuild()
 
 
 # ---- the recipes' builds, in the background while the units run ----------------------------
-# The GenRM judge and the OPD teachers are supervised builds of minutes each, on one core.
-# Built by the tests that need them they are the session's longest waits; started at the
-# start of a session that will run those tests, they are built while the unit and package
-# tests keep the other core busy, and those tests go last (`prebuilt` fixture).
+# The GenRM judge, the OPD teachers and the tool recipe's warm start are supervised builds
+# of minutes each, on one core. Built by the tests that need them they were the session's
+# longest waits; started when a session will run those tests, they are built on what the
+# other tests leave of the machine, and those tests go last and wait for their targets
+# (`@pytest.mark.prebuilt(...)`).
 
 PREBUILD_WAIT_S = 1800
 
@@ -135,15 +142,19 @@ def _prebuild_dir() -> Path:
     return Path(os.environ["OFFBEAT_TEST_CACHE"]) / "prebuild"
 
 
-def _prebuilt_last(items) -> None:
-    """The order of a full session (a stable sort: a module's tests stay together and in
-    order): the long e2e modules first, then the units (short: they fill what is left of
-    the machine), and last the tests that wait for the background builds."""
+def _needs_prebuild(item) -> bool:
+    return item.get_closest_marker("prebuilt") is not None
+
+
+def session_order(items) -> None:
+    """The order of a session (a stable sort: a module's tests stay together and in
+    order): units first (with `-n 2` they share the machine with the background builds),
+    then the e2e modules, and last the tests that wait for the background builds."""
 
     def rank(item) -> int:
-        if "prebuilt" in getattr(item, "fixturenames", ()):
+        if _needs_prebuild(item):
             return 2
-        return 0 if item.get_closest_marker("slow") or item.get_closest_marker("e2e") else 1
+        return 1 if any(item.get_closest_marker(m) for m in ("e2e", "slow", "ray")) else 0
 
     items.sort(key=rank)
 
@@ -185,24 +196,31 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-@pytest.fixture(scope="session")
-def prebuilt():
-    """Wait for the background builds (the judge, the teachers, the warm starts) to end,
-    if this session started them: {target: "0" built | "1" failed | None unfinished}.
-    What failed or is unfinished there, the test builds itself."""
+def wait_for_prebuild(targets, timeout_s: float = PREBUILD_WAIT_S) -> dict[str, str | None]:
+    """Wait until each of `targets` built in the background has ended, if this session
+    started it: {target: "0" built | "1" failed | None not started or unfinished}. What
+    failed or is unfinished there, the test builds itself."""
     import time
 
     d = _prebuild_dir()
-    deadline = time.monotonic() + PREBUILD_WAIT_S
-    out = {}
-    for pid_file in sorted(d.glob("*.pid")):
-        target = pid_file.stem
-        done = d / f"{target}.done"
-        pid = int(pid_file.read_text())
-        while not done.exists() and _alive(pid) and time.monotonic() < deadline:
-            time.sleep(1)
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, str | None] = {}
+    for target in targets:
+        pid_file, done = d / f"{target}.pid", d / f"{target}.done"
+        if pid_file.exists():
+            pid = int(pid_file.read_text())
+            while not done.exists() and _alive(pid) and time.monotonic() < deadline:
+                time.sleep(1)
         out[target] = done.read_text().strip() if done.exists() else None
     return out
+
+
+@pytest.fixture(autouse=True)
+def _prebuilt(request):
+    """`@pytest.mark.prebuilt("judge", ...)`: the test waits for those background builds."""
+    marker = request.node.get_closest_marker("prebuilt")
+    if marker is not None:
+        wait_for_prebuild(marker.args)
 
 
 @pytest.fixture(autouse=True)

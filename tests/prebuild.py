@@ -4,8 +4,8 @@ The root conftest starts one process per target at the start of a full session (
 in `--fast`), one torch thread each, niced, so the supervised builds (the GenRM judge,
 the OPD teachers, the tool recipe's warm start, the students' warm starts) run on what
 the unit and package tests leave of the machine. A test that needs them waits for every
-target's `<target>.done` (the `prebuilt` fixture); a build that failed here is built
-again by the test itself (every build is cached atomically, so two builders of one entry
+target it names (`@pytest.mark.prebuilt(...)`: waits for `<target>.done`); a build
+that failed here is built again by the test itself (every build is cached atomically, so two builders of one entry
 cannot corrupt it).
 
     python tests/prebuild.py <cache root> <target>   # writes <cache root>/prebuild/<target>.*

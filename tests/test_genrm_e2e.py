@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(2700),
-    pytest.mark.usefixtures("prebuilt"),  # the judge / teachers built in the background
+    pytest.mark.prebuilt("judge", "students"),  # built in the background (tests/prebuild.py)
 ]  # fmt: skip
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

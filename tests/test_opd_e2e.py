@@ -18,7 +18,8 @@ import pytest
 
 pytestmark = [
     pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(2700),
-    pytest.mark.usefixtures("prebuilt"),  # the judge / teachers built in the background
+    # built in the background (tests/prebuild.py)
+    pytest.mark.prebuilt("teacher-char_match", "teacher-math", "students"),
 ]  # fmt: skip
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

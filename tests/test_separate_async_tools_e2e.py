@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1200),
-    pytest.mark.usefixtures("prebuilt"),  # the tool-trace warm start built in the background
+    pytest.mark.prebuilt("tools"),  # built in the background (tests/prebuild.py)
 ]  # fmt: skip
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

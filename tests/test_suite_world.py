@@ -118,3 +118,68 @@ def test_after_it_the_next_test_gets_the_whole_machine_back():
         pytest.skip("one core: pinning is not visible")
     assert len(os.sched_getaffinity(0)) == cores  # the session's, not the world's
     assert torch.get_num_threads() >= 2
+
+
+def _root_conftest():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("offbeat_root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Item:
+    def __init__(self, nodeid: str, *markers: str):
+        self.nodeid, self.markers = nodeid, set(markers)
+
+    def get_closest_marker(self, name: str):
+        return name if name in self.markers else None
+
+
+def test_units_first_then_e2e_then_what_waits_for_the_background_builds():
+    c = _root_conftest()
+    items = [
+        _Item("tests/test_genrm_e2e.py::a", "e2e", "prebuilt"),
+        _Item("tests/test_elastic_e2e.py::a", "e2e"),
+        _Item("packages/core/tests/test_batch.py::a"),
+        _Item("tests/test_elastic_e2e.py::b", "e2e"),
+        _Item("packages/core/tests/test_batch.py::b"),
+        _Item("tests/test_opd_e2e.py::a", "slow", "prebuilt"),
+    ]
+    c.session_order(items)
+    assert [i.nodeid for i in items] == [
+        "packages/core/tests/test_batch.py::a", "packages/core/tests/test_batch.py::b",
+        "tests/test_elastic_e2e.py::a", "tests/test_elastic_e2e.py::b",
+        "tests/test_genrm_e2e.py::a", "tests/test_opd_e2e.py::a",
+    ]  # fmt: skip
+
+
+def test_xdist_keeps_a_directory_sharing_a_session_engine_on_one_worker():
+    scope = _root_conftest().xdist_scope
+    assert scope("packages/rollout_vllm/tests/test_e2e_greedy.py::t") == (
+        scope("packages/rollout_vllm/tests/test_e2e_group.py::t[x]")
+    )
+    assert (
+        scope("packages/rollout_sglang/tests/test_unit.py::t") == "packages/rollout_sglang/tests/"
+    )
+    assert scope("tests/test_elastic_e2e.py::a") == scope("tests/test_elastic_e2e.py::b")
+    assert scope("tests/test_elastic_e2e.py::a") != scope("tests/test_opd_e2e.py::a")
+
+
+def test_a_background_build_is_waited_for_and_its_result_read(tmp_path, monkeypatch):
+    c = _root_conftest()
+    monkeypatch.setenv("OFFBEAT_TEST_CACHE", str(tmp_path))
+    d = tmp_path / "prebuild"
+    d.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    (d / "judge.pid").write_text(str(sleeper.pid))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (d / "tools.pid").write_text(str(dead.pid))  # ended without writing done: not waited for
+    import threading
+
+    threading.Timer(1.0, lambda: (d / "judge.done").write_text("0\n")).start()
+    got = c.wait_for_prebuild(["judge", "tools", "never-started"], timeout_s=30)
+    sleeper.wait()
+    assert got == {"judge": "0", "tools": None, "never-started": None}

@@ -211,7 +211,10 @@ def test_no_shared_files_left_behind(model):
     shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
     if shm_dir is None:
         pytest.skip("no /dev/shm on this system")
-    before = {f for f in os.listdir(shm_dir) if f.startswith("offbeat-ckpt-")}
+    # this process's files only (named offbeat-ckpt-<pid>-...): another test process may
+    # be mid-sync beside it
+    mine = f"offbeat-ckpt-{os.getpid()}-"
+    before = {f for f in os.listdir(shm_dir) if f.startswith(mine)}
     backend = get_backend("shm")()
     sender = backend.open_sender(
         version=1, num_receivers=1, bucket_bytes=BUCKET, checksum=False, timeout_s=0.5
@@ -219,5 +222,5 @@ def test_no_shared_files_left_behind(model):
     report = sender.send(model.items())  # nobody connects
     assert report.failed == {0: "receiver 0 did not connect within 0.5s"}
     backend.close()
-    after = {f for f in os.listdir(shm_dir) if f.startswith("offbeat-ckpt-")}
+    after = {f for f in os.listdir(shm_dir) if f.startswith(mine)}
     assert after <= before
