@@ -316,10 +316,11 @@ def ray_session():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    # Builds another xdist worker may still wait for are waited for; a session cut short
-    # (interrupted) does not wait for builds it will not use.
+    # Builds another xdist worker may still wait for are waited for; a session without
+    # workers, or one cut short (interrupted), does not wait for builds it will not use.
+    worker = hasattr(session.config, "workerinput")
     for proc in _PREBUILD:
-        if exitstatus == pytest.ExitCode.INTERRUPTED and proc.poll() is None:
+        if (not worker or exitstatus == pytest.ExitCode.INTERRUPTED) and proc.poll() is None:
             proc.kill()
         proc.wait()
     if _MADE_CACHE is not None and not hasattr(session.config, "workerinput"):
