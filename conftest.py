@@ -124,6 +124,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
     if any(_needs_prebuild(item) for item in session.items):
         _start_prebuild()
 
