@@ -86,6 +86,7 @@ def check_against_one_process(model_dir: Path, got: dict, batch: dict, ckpt: Pat
     assert got["fingerprint"] == pytest.approx(weights_fingerprint(ref.export_weights()))
     # the critic: its value head is drawn at random; on the group's start weights (its
     # checkpoint) one process gives the group's values, and the same update
+    torch.manual_seed(12345)  # this process's own draw, whatever ran before it here
     critic = build_critic_engine(one)
     assert not torch.allclose(critic.compute_values(batch), got["values0"])  # another head
     critic.load(str(ckpt / "before"))
