@@ -133,11 +133,15 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
             s.num_warmup_batches,
             drop_depth_message(s.num_warmup_batches, s.max_off_policy_threshold),
         )
+    from offbeat.core.trainer.experiment_trackers import install_hint
     from offbeat.core.trainer.tracking import LOGGERS
 
     bad = [x for x in cfg.trainer.loggers if x not in LOGGERS]
     if bad:
         p.add("trainer.loggers", list(cfg.trainer.loggers), f"each one of {list(LOGGERS)}")
+    for name in dict.fromkeys(x for x in cfg.trainer.loggers if x in LOGGERS):
+        if hint := install_hint(name):  # wandb, mlflow: an extra that is not installed
+            p.add("trainer.loggers", list(cfg.trainer.loggers), hint)
     path = cfg.model.path
     if isinstance(path, str) and path.startswith(TINY_PREFIX):
         from offbeat.core.models import TINY_MODEL_PRESETS
@@ -585,7 +589,7 @@ async def run_with_replicas(
     balancer = AsyncLoadBalancer(dict(servers))
     client = PartialRolloutClient(balancer, PartialRolloutConfig(max_tokens=cfg.rollout.max_tokens))
     manager = side.manager
-    pool = None
+    pool = tracker = tracer = None
     try:
         rewards = reward_registry(cfg)
         s = cfg.async_training
@@ -635,9 +639,12 @@ async def run_with_replicas(
         # A run that resumes from a checkpoint continues its metrics file; any other run
         # starts it afresh (a rerun must not read as one run of twice the steps).
         resuming = cfg.trainer.resume and checkpoints is not None and checkpoints.latest()
+        # wandb / MLflow: the run is trainer.project_name / experiment_name, its config the
+        # resolved one (local model path, the step count prepare left).
         tracker = MetricsTracker(
             run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
-            progress=rt.progress_bar, append=bool(resuming),
+            progress=rt.progress_bar, append=bool(resuming), project=cfg.trainer.project_name,
+            run_name=cfg.trainer.experiment_name, run_config=cfg, store_dir=cfg.trainer.log_dir,
         )  # fmt: skip
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
         # The critic and the reference model, when the algorithm needs them, beside the
@@ -662,16 +669,16 @@ async def run_with_replicas(
             batch_hook=hooks.batch_hook,
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
-        try:
-            summary = await trainer.run()
-        finally:
-            tracker.close()
+        summary = await trainer.run()
         try:
             plot = tracker.plot()
         except ImportError as e:  # matplotlib missing: keep the run's results, skip the PNG
             logger.warning("no reward plot: %s", e)
             plot = None
+        tracker.close(artifacts=[tracer.path if tracer is not None else None, plot])
     finally:
+        if tracker is not None:  # the run failed (after a clean close this does nothing)
+            tracker.close(artifacts=[tracer.path if tracer is not None else None], failed=True)
         if pool is not None:
             await pool.close()
             await shutdown_replicas(pool.started)  # the replacements it started

@@ -1,8 +1,13 @@
-"""Where a run's metrics go: console, JSONL, TensorBoard, a progress bar, a final plot.
+"""Where a run's metrics go: console, JSONL, TensorBoard, wandb, MLflow, a progress bar,
+a final plot.
 
 Knows nothing about what the metrics mean beyond a few names the progress bar and the
 plot show (reward, staleness, tokens/s, the `timing/*` phases of a step). Metric names are "section/name" strings; values
 are floats.
+
+wandb and MLflow live in `experiment_trackers` (optional extras, imported only when named);
+they also get the run's config at the start and its files (the plot, the step timeline)
+at the end.
 
 The progress bar is for a terminal only: when the stream is not one (a log file, a CI
 job, a pipe) there is no bar and no carriage return, just one line per step.
@@ -18,10 +23,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from offbeat.core.trainer.experiment_trackers import TRACKERS, ExperimentTracker, open_tracker
+
 logger = logging.getLogger(__name__)
 
-LOGGERS = ("console", "jsonl", "tensorboard")
-# The console line: a readable subset (JSONL and TensorBoard get every metric).
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+# The console line: a readable subset (every other logger gets every metric).
 CONSOLE_KEYS = (
     ("weight_version", "version"),
     ("reward/mean", "reward"),
@@ -74,6 +81,10 @@ class MetricsTracker:
     only when `progress` is asked for and `stream` is a terminal; otherwise every step
     writes exactly one line (the console line, or a short progress line when "console"
     is not among the loggers).
+
+    wandb and MLflow runs are named `project` / `run_name` (default: the folder's name)
+    and get `run_config` (a dataclass or a mapping) as their config; MLflow's local store
+    goes in `store_dir` (default: `log_dir`). `close` ends them, failed or not.
     """
 
     def __init__(
@@ -86,6 +97,10 @@ class MetricsTracker:
         start_step: int = 0,
         stream: TextIO | None = None,
         append: bool = True,
+        project: str = "offbeat",
+        run_name: str | None = None,
+        run_config: Any = None,
+        store_dir: str | Path | None = None,
     ) -> None:
         unknown = sorted(set(loggers) - set(LOGGERS))
         if unknown:
@@ -115,6 +130,22 @@ class MetricsTracker:
                 total=total_steps, initial=start_step, desc="offbeat", unit="step",
                 file=self._stream, disable=False,  # asked for, on a terminal: TQDM_DISABLE aside
             )  # fmt: skip
+        self._runs: list[ExperimentTracker] = []
+        self._closed = False
+        run_args = {
+            "project": project,
+            "run_name": run_name or self.log_dir.name,
+            "config": run_config,
+            "log_dir": self.log_dir,
+            "store_dir": store_dir if store_dir is not None else self.log_dir,
+        }
+        try:
+            for name in dict.fromkeys(self.loggers):  # one run per tracker
+                if name in TRACKERS:
+                    self._runs.append(open_tracker(name, **run_args))
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def log(self, step: int, metrics: Mapping[str, Any], *, advance: bool = True) -> None:
         """One row for `step`; `advance=False` for extra rows (validation) that neither
@@ -134,6 +165,8 @@ class MetricsTracker:
                 if k != "step" and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        for run in self._runs:
+            run.log(step, row)
         if not advance:
             return
         post = {short: f"{row[k]:.3g}" for k, short in PROGRESS_KEYS if k in row}
@@ -180,13 +213,31 @@ class MetricsTracker:
         """Whether a progress bar is drawn (only on a terminal)."""
         return self._bar is not None
 
-    def close(self) -> None:
+    def close(self, *, artifacts: Sequence[str | Path | None] = (), failed: bool = False) -> None:
+        """Close every sink; wandb and MLflow get the `artifacts` that exist (None and
+        missing files are skipped) and end as failed or finished. A second call does
+        nothing, so a job can close on failure after a clean close."""
+        if self._closed:
+            return
+        self._closed = True
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        files = [Path(a) for a in artifacts if a is not None and Path(a).is_file()]
+        for run in self._runs:
+            # A tracker that cannot take the files or end its run is reported; it must not
+            # hide the run's own result, nor keep the next tracker open.
+            try:
+                try:
+                    if files:
+                        run.log_files(files)
+                finally:
+                    run.finish(failed=failed)
+            except Exception:
+                logger.warning("%s did not close cleanly", type(run).__name__, exc_info=True)
 
 
 def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
