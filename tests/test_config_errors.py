@@ -423,6 +423,77 @@ def test_one_gpu_shared_by_the_trainer_and_the_replica(monkeypatch):
         )  # fmt: skip
 
 
+def test_one_gpu_holds_the_trainer_rank_its_hybrid_replica_and_the_replica(monkeypatch):
+    """runtime.share_trainer_gpu with hybrid replicas: the trainer is a worker group, and one
+    GPU holds its one rank, the rank's hybrid replica and the one standalone replica. The
+    trainer and rollout bundles each hold half the GPU; the rank takes 3/4 of its half, the
+    hybrid replica 1/4, the replica its whole half. The two engines' memory shares must
+    leave the trainer its part (together <= 0.9); more ranks or replicas are refused."""
+    import torch
+
+    from offbeat.core.runtime import pool_specs, trainer_in_driver
+    from offbeat.core.runtime.launch import _rank_options, hybrid_options, replica_options
+    from offbeat.core.trainer.job import split_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    hybrid_one_gpu = [
+        "resources.device=cuda", "resources.devices_per_node=2", "runtime.rollout_num_gpus=1",
+        "runtime.trainer_cpus=[]", "runtime.rollout_cpus=[]", "runtime.share_trainer_gpu=true",
+        "trainer.validate_on_trainer_devices=true", "runtime.ray_num_cpus=8",
+        "runtime.rollout_num_cpus=2",
+    ]  # fmt: skip
+    _, cfg = load_recipe_config(
+        "separate_async", [*hybrid_one_gpu, "+rollout.engine_kwargs.gpu_memory_utilization=0.3"]
+    )
+    assert trainer_in_driver(cfg) is False and split_gpus(cfg) is None  # Ray sees the GPU
+    specs = {s.name: s for s in pool_specs(cfg)}
+    assert dict(specs["trainer"].bundle) == {"GPU": 0.5, "CPU": 3.0}  # rank + hybrid CPUs
+    assert dict(specs["rollout"].bundle) == {"GPU": 0.5, "CPU": 2.0}
+
+    class Pools:
+        def __init__(self) -> None:
+            self.specs, self.groups = specs, dict.fromkeys(specs)
+
+        def strategy(self, pool: str, index: int) -> str:
+            return f"{pool}-{index}"
+
+        def bundle_order(self, pool: str) -> list[int]:
+            return list(range(specs[pool].bundles))
+
+    pools = Pools()
+    (rank,) = _rank_options(cfg, pools)
+    hybrid = hybrid_options(cfg, pools, 0)
+    replica = replica_options(pools, 0)
+    assert (rank["num_gpus"], hybrid["num_gpus"], replica["num_gpus"]) == (0.375, 0.125, 0.5)
+    assert rank["num_gpus"] + hybrid["num_gpus"] + replica["num_gpus"] == 1.0
+    assert replica["scheduling_strategy"] == "rollout-0"
+    # both engines awake (a validation): 2 x 0.5 of the GPU would leave the trainer nothing
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config(
+            "separate_async",
+            [*hybrid_one_gpu, "+rollout.engine_kwargs.gpu_memory_utilization=0.5"],
+        )
+    (problem,) = info.value.problems
+    assert problem.key == "rollout.engine_kwargs.gpu_memory_utilization"
+    assert "each take it, together at most 0.9" in str(problem) and "at most 0.45" in str(problem)
+    # two trainer ranks or two replicas are more than one GPU holds
+    for more in (["resources.trainer_devices=2", "resources.devices_per_node=3"],
+                 ["resources.rollout_devices=2", "resources.devices_per_node=3"]):  # fmt: skip
+        with pytest.raises(ConfigError, match="puts everything on one GPU") as info:
+            load_recipe_config(
+                "separate_async",
+                [*hybrid_one_gpu, "+rollout.engine_kwargs.gpu_memory_utilization=0.3", *more],
+            )
+        assert "runtime.share_trainer_gpu" in [p.key for p in info.value.problems]
+    # without hybrid replicas the replica alone may take up to 0.9, as before
+    _, cfg = load_recipe_config(
+        "separate_async",
+        [*hybrid_one_gpu[:-3], "+rollout.engine_kwargs.gpu_memory_utilization=0.9"],
+    )
+    assert trainer_in_driver(cfg) and dict(pool_specs(cfg, trainer=False)[0].bundle)["GPU"] == 1
+
+
 def test_npu_without_the_plugin_names_the_package(monkeypatch):
     from offbeat.core.registry import DEVICES
 

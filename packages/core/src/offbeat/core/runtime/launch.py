@@ -90,10 +90,21 @@ async def start_pools(
 
 
 def replica_options(pools: ResourcePools | None, index: int) -> dict[str, Any]:
-    """Ray options that put rollout replica `index` into its bundle of the rollout pool."""
+    """Ray options that put rollout replica `index` into its bundle of the rollout pool;
+    a bundle holding a part of one GPU (`runtime.share_trainer_gpu` with a trainer pool)
+    gives the replica that part."""
     if pools is None or "rollout" not in pools.groups:
         return {}
-    return {"scheduling_strategy": pools.strategy("rollout", index)}
+    out: dict[str, Any] = {"scheduling_strategy": pools.strategy("rollout", index)}
+    gpus = pools.specs["rollout"].bundle.get("GPU")
+    if gpus is not None and gpus < 1:
+        out["num_gpus"] = gpus
+    return out
+
+
+def _bundle_device(cfg: Any, pools: ResourcePools, pool: str) -> float:
+    """The devices one bundle of `pool` holds: 1, or a part of one GPU when shared."""
+    return float(pools.specs[pool].bundle.get(DEVICE_RESOURCES.get(cfg.resources.device, ""), 1))
 
 
 def _device_ask(device: str, share: float) -> dict[str, Any]:
@@ -108,6 +119,7 @@ def _rank_options(cfg: Any, pools: ResourcePools, pool: str = "trainer") -> list
     rt, device = cfg.runtime, cfg.resources.device
     order = pools.bundle_order(pool)
     share = 1.0 - HYBRID_DEVICE_SHARE if pool == "trainer" and hybrid_replicas(cfg) else 1
+    share *= _bundle_device(cfg, pools, pool)
     return [
         {
             "num_cpus": rt.trainer_num_cpus,
@@ -122,11 +134,12 @@ def hybrid_options(cfg: Any, pools: ResourcePools, rank: int) -> dict[str, Any]:
     """Ray options that put trainer rank `rank`'s hybrid replica into the rank's bundle:
     `runtime.rollout_num_cpus` CPUs and `HYBRID_DEVICE_SHARE` of its device."""
     order = pools.bundle_order("trainer")
+    share = HYBRID_DEVICE_SHARE * _bundle_device(cfg, pools, "trainer")
     return {
         "num_cpus": cfg.runtime.rollout_num_cpus,
         "num_gpus": 0,
         "scheduling_strategy": pools.strategy("trainer", order[rank]),
-        **_device_ask(cfg.resources.device, HYBRID_DEVICE_SHARE),
+        **_device_ask(cfg.resources.device, share),
     }
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "DEVICE_RESOURCES",
+    "SHARED_DEVICE_BUNDLE",
     "PlacementError",
     "PoolSpec",
     "ResourcePools",
@@ -32,6 +33,10 @@ __all__ = [
 
 # The Ray resource name of each device type (CPU-only jobs ask for CPUs alone).
 DEVICE_RESOURCES = {"cuda": "GPU", "npu": "NPU"}
+
+# `runtime.share_trainer_gpu` with the trainer as a worker group (hybrid replicas on one
+# GPU): the part of that GPU the trainer bundle and the rollout bundle each reserve.
+SHARED_DEVICE_BUNDLE = 0.5
 
 
 class PlacementError(RuntimeError):
@@ -58,7 +63,7 @@ def _fmt(resources: Mapping[str, float]) -> str:
     return "{" + items + "}"
 
 
-def _bundle(device: str, devices: int, cpus: float, extra: Mapping[str, float]) -> dict:
+def _bundle(device: str, devices: float, cpus: float, extra: Mapping[str, float]) -> dict:
     out: dict[str, float] = {"CPU": float(cpus)}
     if device in DEVICE_RESOURCES:
         out[DEVICE_RESOURCES[device]] = float(devices)
@@ -75,16 +80,19 @@ def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
     of its own (`critic.placement=separate`), a pool named after its role ("critic",
     "reference") of `critic.devices` / `ref.devices` bundles shaped as the trainer's
     (one device + `runtime.trainer_num_cpus` CPUs). `trainer=False`: the trainer runs in
-    the driver and reserves nothing."""
+    the driver and reserves nothing. With a trainer pool and `runtime.share_trainer_gpu`
+    (one rank and one replica on one GPU; the config checks say when) the trainer bundle
+    and the rollout bundle each hold `SHARED_DEVICE_BUNDLE` of that GPU."""
     r, rt, tp = cfg.resources, cfg.runtime, cfg.rollout.tensor_parallel_size
     out = []
+    device = SHARED_DEVICE_BUNDLE if trainer and getattr(rt, "share_trainer_gpu", False) else 1
     if trainer:
         cpus = rt.trainer_num_cpus
         if getattr(cfg.trainer, "validate_on_trainer_devices", False):
             cpus += rt.rollout_num_cpus  # the rank's hybrid replica shares its bundle
-        shape = _bundle(r.device, 1, cpus, rt.trainer_resources)
+        shape = _bundle(r.device, device, cpus, rt.trainer_resources)
         out.append(PoolSpec("trainer", r.trainer_devices, shape))
-    shape = _bundle(r.device, tp, rt.rollout_num_cpus, rt.rollout_resources)
+    shape = _bundle(r.device, tp * device, rt.rollout_num_cpus, rt.rollout_resources)
     out.append(PoolSpec("rollout", r.rollout_devices // tp, shape))
     from offbeat.core.config.support import separate_groups
 

@@ -18,7 +18,11 @@ the hybrid replicas meanwhile). Phases, in this order, each recorded in `events`
                    release_kv, sleep   free the hybrid replicas' KV cache, put them to sleep
                    resume_standalone   resume the standalone replicas
 
-Each phase runs on every replica at once, awaited together. `abort` is issued and
+Each phase runs on every replica at once, awaited together. The cycle's metrics time the
+phases that move memory (`hybrid/wake_s`; `hybrid/sleep_s`: release_kv + sleep) and, where
+the replicas report their device's free memory (`device_memory()`), what going to sleep
+gave back to the trainer's devices (`hybrid/sleep_freed_gb`, read before release_kv and
+after sleep, while every other replica is paused and the trainer waits). `abort` is issued and
 `remove` takes effect before any aborted request comes back, so a request interrupted on
 a hybrid replica is resumed by the PartialRolloutClient on a standalone one (as after a
 weight sync), never re-leased to a replica going to sleep. A hybrid replica that fails a
@@ -26,7 +30,8 @@ phase (or dies while serving: the pool's health check, see `ReplicaPool.guests`)
 dropped for the rest of the run; validation goes on without it.
 
 Knows nothing about vLLM or Ray: replicas are `RolloutServer` / `SyncTarget` objects with
-`sleep(level)` and `wake_up(tags)`; the balancer is the pool's.
+`sleep(level)` and `wake_up(tags)` (and, optionally, `status()` and `device_memory()`);
+the balancer is the pool's.
 """
 
 from __future__ import annotations
@@ -137,6 +142,35 @@ class HybridReplicas:
         if failed:  # a standalone replica that cannot abort or resume is gone: replace it
             await self.pool.remove_dead(failed)
 
+    async def _device_free(self) -> dict[str, int]:
+        """id -> free bytes of each hybrid replica's device now, for the replicas that
+        report it (`device_memory()`: the device as a whole, every process on it); the
+        others, and any that fails to answer, are left out."""
+        probes = {i: s for i, s in self.servers.items() if hasattr(s, "device_memory")}
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(s.device_memory(), self.phase_timeout_s) for s in probes.values()),
+            return_exceptions=True,
+        )
+        return {
+            i: int(o["free_bytes"])
+            for i, o in zip(probes, outcomes, strict=True)
+            if isinstance(o, dict) and "free_bytes" in o
+        }
+
+    async def asleep_levels(self) -> dict[str, int]:
+        """id -> the sleep level each hybrid replica reports now (`status()["asleep_level"]`,
+        0: awake), for the replicas that report one; the trainer reads it while it trains."""
+        probes = {i: s for i, s in self.servers.items() if hasattr(s, "status")}
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(s.status(), self.phase_timeout_s) for s in probes.values()),
+            return_exceptions=True,
+        )
+        return {
+            i: int(o["asleep_level"])
+            for i, o in zip(probes, outcomes, strict=True)
+            if isinstance(o, dict) and "asleep_level" in o
+        }
+
     async def put_to_sleep(self) -> None:
         """The end of the two-phase start: every hybrid replica, initialised, sleeps."""
         await self._hybrids(None, "sleep", lambda s: s.sleep(self.sleep_level))
@@ -172,6 +206,7 @@ class HybridReplicas:
         t0 = time.perf_counter()
         # ---- TRAIN→ROLLOUT
         await self._hybrids(version, "wake", lambda s: s.wake_up(["weights"]))
+        wake_s = time.perf_counter() - t0
         self._note(version, "sync")
         result = await self.manager.sync(named_tensors, version, targets=dict(self.servers))
         for i, why in result.failed.items():
@@ -209,8 +244,16 @@ class HybridReplicas:
                     failed[i] = f"abort: {type(task.exception()).__name__}: {task.exception()}"
             for i in [i for i in failed if i in self.servers]:
                 self._drop(i, failed.pop(i))
+            # Every replica is paused and the trainer waits: the device's free memory
+            # moves only with what the hybrids release (the reads are not timed).
+            t_probe = time.perf_counter()
+            awake_free = await self._device_free()
+            t_sleep = time.perf_counter()
             await self._hybrids(version, "release_kv", lambda s: s.release_kv_cache())
             await self._hybrids(version, "sleep", lambda s: s.sleep(self.sleep_level))
+            sleep_s = time.perf_counter() - t_sleep
+            asleep_free = await self._device_free()
+            probe_s = time.perf_counter() - t_probe - sleep_s
             if failed:
                 await self.pool.remove_dead(
                     {i: w for i, w in failed.items() if i in self.pool.servers}
@@ -223,8 +266,15 @@ class HybridReplicas:
             "hybrid/lost_total": float(len(self.lost)),
             "hybrid/enter_s": t_ready - t0,
             "hybrid/validate_s": t_val - t_ready,
-            "hybrid/exit_s": t_end - t_val,
+            "hybrid/exit_s": t_end - t_val - probe_s,
             "hybrid/sync_s": sum(result.phase_s.values()),
+            "hybrid/wake_s": wake_s,
+            "hybrid/sleep_s": sleep_s,
             **self._served(before, joined),
         }
+        both = [i for i in awake_free if i in asleep_free]
+        if both:  # summed: each hybrid replica sits on its own trainer rank's device
+            freed = sum(asleep_free[i] - awake_free[i] for i in both)
+            metrics["hybrid/sleep_freed_gb"] = freed / 1e9
+            metrics["hybrid/asleep_free_gb"] = sum(asleep_free[i] for i in both) / 1e9
         return out, metrics

@@ -70,7 +70,10 @@ class RuntimeConfig:
     rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
     # One GPU for the trainer and the last replica (e.g. a one-GPU machine): the trainer in
     # the driver takes the last replica's GPU instead of the next one, and the two split its
-    # memory (the replica takes rollout.engine_kwargs.gpu_memory_utilization of it).
+    # memory (the replica takes rollout.engine_kwargs.gpu_memory_utilization of it). With
+    # hybrid replicas (trainer.validate_on_trainer_devices) the one trainer rank, its
+    # hybrid replica and the one replica share one GPU (the trainer and rollout pools'
+    # bundles each hold half of it; the two engines take that share each).
     # resources still count the trainer's device: devices_per_node=2 with one GPU.
     share_trainer_gpu: bool = False
     # The trainer: null (auto) runs one rank on a local one-node Ray in this process (no

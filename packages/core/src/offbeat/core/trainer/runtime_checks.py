@@ -84,23 +84,7 @@ def _replicas_get_the_configured_device(cfg: Any, p: Problems) -> None:
         )
     share = bool(getattr(rt, "share_trainer_gpu", False))
     if share:
-        from offbeat.core.runtime.launch import trainer_in_driver
-
-        util = cfg.rollout.engine_kwargs.get("gpu_memory_utilization")
-        if device != "cuda" or rt.ray_address or not trainer_in_driver(cfg):
-            p.add(
-                "runtime.share_trainer_gpu",
-                True,
-                "shares a local GPU between the trainer in this process and a replica: needs "
-                "resources.device=cuda, a local Ray and the trainer in the driver",
-            )
-        elif not isinstance(util, int | float) or not 0 < util <= 0.9:
-            p.add(
-                "rollout.engine_kwargs.gpu_memory_utilization",
-                util,
-                "with runtime.share_trainer_gpu=true the replica must leave the trainer its "
-                "part of the GPU: set its share, e.g. 0.4",
-            )
+        _one_gpu_is_shared_safely(cfg, p)
     if device == "cuda" and not rt.ray_address and type(cfg.resources.devices_per_node) is int:
         import torch
 
@@ -119,6 +103,58 @@ def _replicas_get_the_configured_device(cfg: Any, p: Problems) -> None:
             "runtime.rollout_num_gpus",
             gpus,
             "with resources.device='cpu' the replicas run on CPU: set 0 (or resources.device=cuda)",
+        )
+
+
+# The most of one shared GPU that its engines may take together: the rest is the trainer's
+# (its weights, optimizer state, activations) and the CUDA contexts'.
+SHARED_GPU_ENGINES_MAX = 0.9
+
+
+def _one_gpu_is_shared_safely(cfg: Any, p: Problems) -> None:
+    """`runtime.share_trainer_gpu`: one local GPU holds the trainer and the engines beside
+    it. Either the trainer in the driver takes the last replica's GPU, or (hybrid
+    replicas, the trainer a worker group) one GPU holds everything: the one trainer rank,
+    its hybrid replica and the one standalone replica. Every engine on the GPU takes
+    `rollout.engine_kwargs.gpu_memory_utilization` of it while awake (a hybrid replica
+    during validation, beside the standalone one), so together they must leave the
+    trainer its part."""
+    from offbeat.core.runtime.launch import hybrid_replicas, trainer_in_driver
+
+    r, rt, tp = cfg.resources, cfg.runtime, cfg.rollout.tensor_parallel_size
+    hybrid = hybrid_replicas(cfg)
+    one_gpu = (r.trainer_devices, r.rollout_devices, tp, r.num_nodes) == (1, 1, 1, 1)
+    if r.device != "cuda" or rt.ray_address or not (trainer_in_driver(cfg) or hybrid):
+        p.add(
+            "runtime.share_trainer_gpu",
+            True,
+            "shares a local GPU between the trainer and a replica: needs resources.device="
+            "cuda, a local Ray, and the trainer in the driver (or hybrid replicas, "
+            "trainer.validate_on_trainer_devices=true, on one GPU)",
+        )
+        return
+    if hybrid and not one_gpu:
+        p.add(
+            "runtime.share_trainer_gpu",
+            True,
+            f"with trainer.validate_on_trainer_devices=true puts everything on one GPU: one "
+            f"trainer rank and one replica of one device (resources.trainer_devices=1, "
+            f"resources.rollout_devices=1, rollout.tensor_parallel_size=1, resources."
+            f"num_nodes=1), got {r.trainer_devices}, {r.rollout_devices}, {tp}, {r.num_nodes}",
+        )
+        return
+    util = cfg.rollout.engine_kwargs.get("gpu_memory_utilization")
+    engines = 2 if hybrid else 1
+    what = "the replica and the hybrid replica each take it" if hybrid else "the replica takes it"
+    ok = isinstance(util, int | float) and not isinstance(util, bool)
+    if not ok or not 0 < util * engines <= SHARED_GPU_ENGINES_MAX:
+        p.add(
+            "rollout.engine_kwargs.gpu_memory_utilization",
+            util,
+            f"with runtime.share_trainer_gpu=true the engines on the GPU must leave the "
+            f"trainer its part: {what}, together at most {SHARED_GPU_ENGINES_MAX} of the GPU; "
+            f"set a share of at most {SHARED_GPU_ENGINES_MAX / engines:g}, e.g. "
+            f"{0.4 / engines:g}",
         )
 
 

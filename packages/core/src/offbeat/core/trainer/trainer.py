@@ -325,6 +325,12 @@ class Trainer:
         self._val_version = version
         await self._finish_validation()
 
+    def _hybrid_levels(self) -> asyncio.Future | None:
+        """The hybrid replicas' sleep levels, asked now (None without hybrid replicas)."""
+        if self.hybrid is None or not self.hybrid.servers:
+            return None
+        return asyncio.ensure_future(self.hybrid.asleep_levels())
+
     # ---- the loop ------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         s = self.s
@@ -458,6 +464,9 @@ class Trainer:
         t0 = time.perf_counter()
         rows_per_mb = s.ppo_mini_batch_size * s.n
         update_metrics: list[dict[str, float]] = []
+        # The hybrid replicas' own word on whether they sleep, asked while the trainer
+        # trains on their devices.
+        asleep = self._hybrid_levels()
         with trace.span("train"):
             for epoch in range(s.ppo_epochs):
                 for k in range(s.parameter_sync_step):
@@ -465,6 +474,8 @@ class Trainer:
                     with trace.span("mini-batch", index=k, epoch=epoch):
                         update_metrics.append(await _call(self.engine.update, mb))
         train_s = time.perf_counter() - t0
+        if asleep is not None and (levels := await asleep):
+            extra["hybrid/asleep_level"] = float(min(levels.values()))
         if self.critic_ref is not None:
             extra.update(
                 await self.critic_ref.update_critic(data, rows_per_mb, s.parameter_sync_step)
