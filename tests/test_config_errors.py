@@ -541,3 +541,90 @@ def test_offbeat_check_rejects_prompts_longer_than_max_prompt_length():
     assert "data.max_prompt_length=64:" in proc.stderr, proc.stderr
     assert "12 of 12 prompts in verl_example.parquet" in proc.stderr, proc.stderr
     assert "set data.max_prompt_length>=185" in proc.stderr, proc.stderr
+
+
+# ---- dataset files and rows that cannot be used (issue 31, item 6) -------------------------
+def _rows_file(path, prompts, truths=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = len(prompts)
+    columns = {"prompt": prompts, "data_source": ["openai/gsm8k"] * n}
+    columns["ground_truth"] = truths if truths is not None else ["1"] * n
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+def _not_utf8(raw):
+    import pyarrow as pa
+
+    return pa.array([b"fine", raw, b"fine"], pa.binary()).view(pa.string())
+
+
+def _truncated(path):
+    from pathlib import Path
+
+    whole = _rows_file(path.with_suffix(".whole"), ["q"] * 50)
+    data = Path(whole).read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return str(path)
+
+
+FILE_CASES = {  # name -> (make the file under a path, what the message says)
+    "not_parquet": (lambda p: p.write_text("id,prompt\n1,q\n") and str(p), "it is not parquet, or truncated"),
+    "truncated": (_truncated, "it is not parquet, or truncated"),
+    "zero_bytes": (lambda p: p.write_bytes(b"") or str(p), "it is empty (0 bytes), not parquet"),
+    "zero_rows": (lambda p: _rows_file(p, []), "a parquet file with at least one row (train.parquet has 0)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_offbeat_check_rejects_a_file_that_cannot_be_read(tmp_path, case):
+    make, said = FILE_CASES[case]
+    path = make(tmp_path / "train.parquet")
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", [f"data.train_files=[{path}]"])
+    problems = [p for p in info.value.problems if p.key == "data.train_files" and p.value == path]
+    assert problems and said in problems[0].expected, str(info.value)
+    if case != "zero_rows":
+        assert "train.parquet: " + said in problems[0].expected
+
+
+ROW_CASES = {  # name -> (prompts, ground truths or None, what the message says about row 1)
+    "null_prompt": (["q", None, "q"], None, "row 1: 'prompt' is null"),
+    "message_without_content": (
+        [[{"role": "user", "content": "q"}], [{"role": "user", "content": None}], [{"role": "user", "content": "q"}]],
+        None, "row 1: 'prompt' message 0 (role 'user') has no 'content'"),
+    "null_ground_truth": (["q", "q", "q"], ["1", None, "1"], "row 1: the ground truth is null"),
+    "invalid_utf8": (_not_utf8(b"bad\xff"), None, "row 1: column 'prompt' is not valid UTF-8"),
+    "surrogate_cesu8": (_not_utf8(b"\xed\xa0\x80"), None, "row 1: column 'prompt' is not valid UTF-8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(ROW_CASES))
+def test_offbeat_check_names_the_file_and_row_of_a_bad_row(tmp_path, case):
+    prompts, truths, said = ROW_CASES[case]
+    path = _rows_file(tmp_path / "train.parquet", prompts, truths)
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", [f"data.train_files=[{path}]"])
+    (problem,) = [p for p in info.value.problems if p.key == "data.train_files"]
+    assert problem.value == path
+    assert "1 of the 3 rows read in train.parquet cannot" in problem.expected, problem.expected
+    assert said in problem.expected, problem.expected
+
+
+def test_a_file_of_good_rows_passes_the_row_rule(tmp_path):
+    path = _rows_file(tmp_path / "train.parquet", ["q", "q"])
+    load_recipe_config("separate_async", [f"data.train_files=[{path}]"])
+
+
+@pytest.mark.parametrize(
+    "override", ["reward.timeout_s=0", "reward.timeout_s=-1", "agent.tool_max_chars=0"]
+)
+def test_user_code_limits_are_checked(override):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", [override])
+    problems = {p.key: p for p in info.value.problems}
+    assert key in problems, str(info.value)
+    assert float(problems[key].value) == float(value)

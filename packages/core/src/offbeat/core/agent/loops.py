@@ -33,7 +33,8 @@ class AgentConfig:
     max_tokens_per_turn: int = 0  # 0: what is left of rollout.max_tokens
     tool_parser: str = "hermes"
     parser_kwargs: dict[str, Any] = field(default_factory=dict)
-    tool_timeout_s: float = 5.0
+    tool_timeout_s: float = 5.0  # seconds per tool call; past it the call fails (counted)
+    tool_max_chars: int = 1000  # longest observation; longer ones are cut (counted)
     max_tool_calls_per_turn: int = 4
     tool_response_role: str = "tool"
     eos_ids: list[int] = field(default_factory=list)  # beside the tokenizer's eos_token_id
@@ -57,6 +58,7 @@ def _tool(cfg: AgentConfig, client: Any, tokenizer: Any, rewards: Any, sampling,
         tool_parser=cfg.tool_parser,
         parser_kwargs=dict(cfg.parser_kwargs),
         tool_timeout_s=cfg.tool_timeout_s,
+        tool_max_chars=cfg.tool_max_chars,
         max_tool_calls_per_turn=cfg.max_tool_calls_per_turn,
         tool_response_role=cfg.tool_response_role,
         eos_ids=[int(x) for x in cfg.eos_ids],
@@ -131,6 +133,7 @@ def _agent_rules(cfg: Any, p: Problems) -> None:
     p.require_int("agent.max_tokens_per_turn", a.max_tokens_per_turn, minimum=0)
     p.require_int("agent.max_tool_calls_per_turn", a.max_tool_calls_per_turn)
     p.require_number("agent.tool_timeout_s", a.tool_timeout_s, low=1e-3)
+    p.require_int("agent.tool_max_chars", a.tool_max_chars)
     p.require_registered("agent.tool_parser", a.tool_parser, TOOL_PARSERS)
     for spec in a.tools:
         try:

@@ -2,7 +2,7 @@
 
 Knows nothing about how the trajectories were made: it sums and averages the numbers
 the tool agent loop put in `Trajectory.info` (turns, tool calls, parse failures, tool
-errors and timeouts, prompt and prefix-cached tokens, why each session stopped).
+errors, timeouts and cut observations, prompt and prefix-cached tokens, why each session stopped).
 Trajectories without `info` (single-turn ones) add nothing.
 """
 
@@ -13,14 +13,15 @@ from typing import Any
 
 __all__ = ["agent_metrics"]
 
-_TOTALS = ("tool_calls", "parse_errors", "tool_errors", "tool_timeouts")
+_TOTALS = ("tool_calls", "parse_errors", "tool_errors", "tool_timeouts", "tool_truncated")
 
 
 def agent_metrics(trajectories: Sequence[Any]) -> dict[str, float]:
     """`agent/*` metrics of one step's trajectories: per-step totals of tool calls, parse
-    failures, tool errors and timeouts; mean turns; the fraction of sessions stopped by
-    each reason; the prefix-cache hit rate (cached / prompt tokens over every turn); the
-    fraction of response tokens the policy sampled. Empty without multi-turn ones."""
+    failures, tool errors, timeouts and observations cut to agent.tool_max_chars
+    (`agent/tool_truncated`); mean turns; the fraction of sessions stopped by each reason;
+    the prefix-cache hit rate (cached / prompt tokens over every turn); the fraction of
+    response tokens the policy sampled. Empty without multi-turn ones."""
     infos = [t.info for t in trajectories if getattr(t, "info", None)]
     if not infos:
         return {}

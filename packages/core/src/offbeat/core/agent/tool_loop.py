@@ -22,15 +22,16 @@ from offbeat.core.agent.parsers import TOOL_PARSERS, ParseResult
 from offbeat.core.agent.tools import Tool, ToolResult, ToolRunner
 from offbeat.core.agent.turns import TrajectoryBuilder, TurnTemplate
 from offbeat.core.data import Trajectory
-from offbeat.core.rewards import RewardError, RewardRegistry
+from offbeat.core.rewards import RewardRegistry
 from offbeat.core.rollout.protocol import sample_params
 from offbeat.core.tasks.rows import reward_fields, row_messages
-from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
+from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, check_row
 
 __all__ = ["STOP_REASONS", "ToolAgentLoop", "ToolLoopConfig"]
 
 STOP_REASONS = ("no_tool_call", "max_turns", "budget")
 _COUNTS = ("turns", "tool_calls", "parse_errors", "tool_errors", "tool_timeouts")
+_COUNTS += ("tool_truncated",)
 _COUNTS += ("prompt_tokens", "cached_tokens")
 
 
@@ -41,7 +42,10 @@ class ToolLoopConfig:
     in `TOOL_PARSERS`, built with `parser_kwargs` (e.g. other tags). `eos_ids`: extra
     end-of-turn ids (a model's generation_config list) beside the tokenizer's.
     `sticky_sessions`: send every turn of a session to the balancer under the session's
-    id (one replica; its prefix cache reused)."""
+    id (one replica; its prefix cache reused). `tool_timeout_s`: the deadline of one tool
+    call (past it the call fails: an "error: timed out" observation). `tool_max_chars`:
+    the longest observation a call gives the model (a longer one is cut there, marked, and
+    counted in `agent/tool_truncated`)."""
 
     max_turns: int = 5
     max_tokens_per_turn: int = 0
@@ -52,9 +56,10 @@ class ToolLoopConfig:
     tool_response_role: str = "tool"
     eos_ids: list[int] = field(default_factory=list)
     sticky_sessions: bool = True
+    tool_max_chars: int = 1000
 
     def __post_init__(self) -> None:
-        for key in ("max_turns", "max_tool_calls_per_turn"):
+        for key in ("max_turns", "max_tool_calls_per_turn", "tool_max_chars"):
             if getattr(self, key) < 1:
                 raise ValueError(f"ToolLoopConfig.{key}={getattr(self, key)}: must be >= 1")
         if self.max_tokens_per_turn < 0:
@@ -96,7 +101,9 @@ class ToolAgentLoop(SingleTurnAgentLoop):
         super().__init__(client, tokenizer, rewards, sampling, **kwargs)
         self.config = config or ToolLoopConfig()
         self.parser = TOOL_PARSERS.get(self.config.tool_parser)(**self.config.parser_kwargs)
-        self.runner = ToolRunner(tools, timeout_s=self.config.tool_timeout_s)
+        self.runner = ToolRunner(
+            tools, timeout_s=self.config.tool_timeout_s, max_chars=self.config.tool_max_chars
+        )
         self.template = TurnTemplate(tokenizer, self.config.eos_ids, lock=self._tokenizer_lock)
 
     # ---- CPU work, in the loop's threads ----------------------------------------------
@@ -106,7 +113,8 @@ class ToolAgentLoop(SingleTurnAgentLoop):
         )
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             raise GroupFailed(
-                f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}"
+                f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}",
+                "prompt_too_long",
             )
         return ids
 
@@ -150,6 +158,7 @@ class ToolAgentLoop(SingleTurnAgentLoop):
             results = await self._observe(parsed)
             s.count("tool_errors", sum(r.error for r in results))
             s.count("tool_timeouts", sum(r.timed_out for r in results))
+            s.count("tool_truncated", sum(r.truncated for r in results))
             messages = [{"role": c.tool_response_role, "content": r.content} for r in results]
             closing = self.template.closing_ids(out.token_ids)
             obs = await self._off_loop(self.template.observation_ids, messages)
@@ -183,12 +192,15 @@ class ToolAgentLoop(SingleTurnAgentLoop):
         self, uid: str, row: Mapping[str, Any], n: int, sampling: Mapping[str, Any] | None = None
     ) -> list[Trajectory]:
         """`n` scored trajectories for `row`; raises `GroupFailed`."""
+        check_row(row, self.prompt_key, self.rewards)
         try:
             prompt = await self._off_loop(self.prompt_ids, row)
         except GroupFailed:
             raise
         except Exception as e:
-            raise GroupFailed(f"cannot build the prompt: {type(e).__name__}: {e}") from e
+            raise GroupFailed(
+                f"cannot build the prompt: {type(e).__name__}: {e}", "prompt_error"
+            ) from e
         overrides = {k: v for k, v in (row.get("sampling") or {}).items() if v is not None}
         params = {**self.sampling, **overrides, **(sampling or {})}
         budget = params.pop("max_tokens", None)
@@ -203,9 +215,8 @@ class ToolAgentLoop(SingleTurnAgentLoop):
             )
         )
         source, truth, extra_info = reward_fields(row)
-        rewards = await self._off_loop(
-            self._score_texts, source, truth, [s.last_text for s in sessions], extra_info
-        )
+        # Each session's last assistant turn (the answer, not the tool calls before it).
+        rewards = await self.score_texts(source, truth, [s.last_text for s in sessions], extra_info)
         return [
             Trajectory(
                 prompt_ids=list(prompt),
@@ -221,13 +232,3 @@ class ToolAgentLoop(SingleTurnAgentLoop):
             )
             for i, (s, reward) in enumerate(zip(sessions, rewards, strict=True))
         ]
-
-    def _score_texts(
-        self, source: str, truth: Any, texts: Sequence[str], extra_info: Mapping[str, Any]
-    ) -> list[float]:
-        """Score each session's last assistant turn (the answer, not the tool calls
-        before it); runs in a worker thread."""
-        try:
-            return [self.rewards.score(source, text, truth, extra_info) for text in texts]
-        except RewardError as e:
-            raise GroupFailed(str(e)) from e

@@ -5,9 +5,11 @@ Knows nothing about tokens, templates or engines: a call (name, JSON arguments) 
 observation string out. The runner never raises on a tool's behalf: an unknown tool, bad
 arguments, an exception or a timeout each become an observation starting with "error:"
 that goes back to the model. Calls of one turn run concurrently, each with its own
-timeout; synchronous tools run in a thread pool, so a slow tool never blocks the event
-loop (a synchronous tool past its timeout keeps its thread until it returns: Python
-cannot kill a thread).
+timeout (`agent.tool_timeout_s`); a synchronous tool runs in a thread of its own
+(`offbeat.core.user_code`), so a slow tool never blocks the event loop and a hung one never
+holds a pool the next calls need (past its timeout its thread is abandoned: Python cannot
+kill a thread). An observation longer than `max_chars` (`agent.tool_max_chars`) is cut
+there and marked, so a tool that returns megabytes never reaches the context.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import inspect
 import json
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from offbeat.core.agent.parsers import ToolCall
 from offbeat.core.registry import Registry
+from offbeat.core.user_code import UserCodeTimeout, call_user_code
 
 __all__ = [
     "CALCULATOR",
@@ -225,18 +227,32 @@ def load_tool(spec: str) -> Tool:
 # ---- running one turn's calls -----------------------------------------------------------
 @dataclass(frozen=True)
 class ToolResult:
-    """One observation: the tool's output (or an "error: ..." text) and whether it failed."""
+    """One observation: the tool's output (or an "error: ..." text), whether it failed,
+    timed out, or was cut to the runner's `max_chars`."""
 
     name: str
     content: str
     error: bool = False
     timed_out: bool = False
+    truncated: bool = False
+
+
+def cut(text: str, max_chars: int) -> tuple[str, bool]:
+    """`text` in at most `max_chars` characters, and whether it was cut: its head, then a
+    marker saying how many characters were cut (the head alone where the cap is too small
+    for the marker)."""
+    if len(text) <= max_chars:
+        return text, False
+    marker = f"... [{len(text)} characters, cut to {max_chars}]"
+    keep = max_chars - len(marker)
+    return (text[:keep] + marker if keep > 0 else text[:max_chars]), True
 
 
 class ToolRunner:
     """Runs tool calls concurrently, each under `timeout_s`; never raises for a tool.
 
-    `max_chars`: observations longer than this are cut (a tool may return a lot)."""
+    `max_chars`: observations longer than this are cut (a tool may return a lot).
+    `threads`: synchronous calls running at once (each in a thread of its own)."""
 
     def __init__(
         self,
@@ -248,10 +264,12 @@ class ToolRunner:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}: must be > 0")
+        if max_chars < 1 or threads < 1:
+            raise ValueError(f"max_chars={max_chars}, threads={threads}: each must be >= 1")
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
         self.max_chars = max_chars
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="agent-tools")
+        self.threads = threads
 
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
@@ -269,25 +287,27 @@ class ToolRunner:
         problem = t.check_arguments(call.arguments)
         if problem is not None:
             return self._error(call.name, problem)
+        limit = None if inspect.iscoroutinefunction(t.fn) else (id(self), self.threads)
         try:
-            if inspect.iscoroutinefunction(t.fn):
-                value = await asyncio.wait_for(t.fn(**call.arguments), self.timeout_s)
-            else:
-                job = asyncio.get_running_loop().run_in_executor(
-                    self._pool, lambda: t.fn(**call.arguments)
-                )
-                value = await asyncio.wait_for(job, self.timeout_s)
-        except TimeoutError:
+            value = await call_user_code(
+                t.fn, kwargs=call.arguments, timeout_s=self.timeout_s, limit=limit
+            )
+        except UserCodeTimeout:
             return ToolResult(call.name, f"error: timed out after {self.timeout_s}s", True, True)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             return self._error(call.name, f"{type(e).__name__}: {e}")
-        text = value if isinstance(value, str) else json.dumps(value, default=str)
-        return ToolResult(call.name, text[: self.max_chars])
+        try:
+            text = value if isinstance(value, str) else json.dumps(value, default=str)
+        except Exception as e:  # a circular or otherwise unserialisable result
+            return self._error(call.name, f"result is not JSON-serialisable: {e}")
+        content, truncated = cut(text, self.max_chars)
+        return ToolResult(call.name, content, truncated=truncated)
 
     def _error(self, name: str, message: str) -> ToolResult:
-        return ToolResult(name, f"error: {message}"[: self.max_chars], True)
+        content, truncated = cut(f"error: {message}", self.max_chars)
+        return ToolResult(name, content, True, truncated=truncated)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: each sync call has its own thread (kept for callers)."""

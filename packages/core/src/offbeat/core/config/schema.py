@@ -217,6 +217,11 @@ class RewardConfig:
     # data_source -> user function "pkg.mod:fn" or "path/to/file.py:fn" (before the registry)
     functions: dict[str, str] = field(default_factory=dict)
     genrm: dict[str, Any] = field(default_factory=dict)  # LLM judge (offbeat.core.rewards.genrm)
+    # Seconds one reward call may take (sync ones run in a thread of their own, off the
+    # event loop); past it the response's group fails (failed/reward_timeout_total) and a
+    # sync call's thread is abandoned (Python cannot kill it). The genrm judge is bounded
+    # by reward.genrm.timeout_s instead.
+    timeout_s: float = 30.0
 
 
 @dataclass

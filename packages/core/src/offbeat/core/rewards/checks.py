@@ -1,6 +1,7 @@
 """Config rules for rewards, run by `offbeat.core.config.validate` before anything starts:
-every `reward.functions` entry imports, and every `data_source` in the dataset files has a
-reward function.
+`reward.timeout_s` is seconds > 0, every `reward.functions` entry imports, every dataset
+file is readable parquet (not another format, not truncated, not 0 bytes), and every
+`data_source` in the dataset files has a reward function.
 
 Knows the config, the reward registry and the dataset files' footers and `data_source`
 column (read alone: cheap even for large files); nothing of the running system. A
@@ -39,12 +40,16 @@ def _user_functions(cfg: Any, p: Problems) -> dict[str, bool]:
 
 def _file_problem(cfg: Any, path: str, known: set[str]) -> str | None:
     """What is wrong with one dataset file for this config, or None."""
+    from offbeat.core.tasks.bad_rows import DatasetFileError, open_parquet
     from offbeat.core.tasks.rows import data_source_counts, parquet_columns
 
     try:
+        open_parquet(path)
         columns = parquet_columns(path)
         counts = data_source_counts(path)
-    except Exception as e:  # not parquet, truncated, unreadable
+    except DatasetFileError as e:  # not parquet, truncated, empty
+        return f"a readable parquet file; {Path(path).name}: {e.why}"
+    except Exception as e:  # unreadable
         return f"a readable parquet file ({type(e).__name__}: {e})"
     prompt_key = cfg.data.prompt_key
     if prompt_key not in columns:
@@ -72,6 +77,13 @@ def _file_problem(cfg: Any, path: str, known: set[str]) -> str | None:
 @check
 def _rewards(cfg: Any, p: Problems) -> None:
     r = cfg.reward
+    t = getattr(r, "timeout_s", None)
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):
+        p.add(
+            "reward.timeout_s",
+            t,
+            "seconds > 0 that one reward call may take (a call past it fails its group)",
+        )
     user = _user_functions(cfg, p)
     if r.name != BY_DATA_SOURCE:
         if user:

@@ -333,3 +333,7 @@ def _genrm_group(responses: list[str], ground_truth: Any, **kw: Any) -> list[flo
 
 
 genrm_reward.score_group = _genrm_group  # type: ignore[attr-defined]
+# The judge bounds its own time (reward.genrm.timeout_s per request, with retries), so
+# reward.timeout_s does not cut it; the ground truth is only an optional reference.
+genrm_reward.own_timeout = True  # type: ignore[attr-defined]
+genrm_reward.ground_truth_optional = True  # type: ignore[attr-defined]

@@ -212,7 +212,9 @@ def validation_agent(cfg: Any, agent: Any) -> Any:
 
     from offbeat.core.rewards import RewardRegistry
 
-    rule = RewardRegistry(cfg.reward.functions, kwargs=cfg.reward.kwargs)
+    rule = RewardRegistry(
+        cfg.reward.functions, kwargs=cfg.reward.kwargs, timeout_s=cfg.reward.timeout_s
+    )
 
     def by_rule(loop: Any) -> Any:
         out = copy.copy(loop)  # shares the client, tokenizer and scoring threads

@@ -1,6 +1,14 @@
 """The dataset row format, synthetic tasks with checkable answers and the parquet prompt
-dataloader."""
+dataloader; what makes a dataset file or row unusable (`bad_rows`)."""
 
+from offbeat.core.tasks.bad_rows import (
+    BAD_ROW,
+    DatasetFileError,
+    open_parquet,
+    read_rows,
+    row_problem,
+    scan_file,
+)
 from offbeat.core.tasks.dataloader import PromptDataLoader
 from offbeat.core.tasks.rows import (
     data_source_counts,
@@ -37,4 +45,11 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     "row_extra_info",
     "row_ground_truth",
     "row_messages",
+    # files and rows that cannot be used
+    "BAD_ROW",
+    "DatasetFileError",
+    "open_parquet",
+    "read_rows",
+    "row_problem",
+    "scan_file",
 ]

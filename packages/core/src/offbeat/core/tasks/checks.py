@@ -1,6 +1,9 @@
-"""Config rules for prompt lengths, run by `offbeat.core.config.validate` before anything
-starts: the dataset files' prompts fit `data.max_prompt_length`, and a prompt plus its
-response fits the engine's context (`rollout.engine_kwargs.max_model_len`).
+"""Config rules for the dataset files, run by `offbeat.core.config.validate` before anything
+starts: each file holds rows, and its rows can be prompts (`bad_rows.row_problem`, the
+first `CHECK_ROWS` rows of each file; the first bad ones are named with their row index);
+the prompts fit `data.max_prompt_length`, and a prompt plus its response fits the
+engine's context (`rollout.engine_kwargs.max_model_len`). A file that is not readable
+parquet is reported by the reward rule (`offbeat.core.rewards.checks`).
 
 Registered with `@check` on import (`offbeat.core.trainer.job` imports this module). The
 prompt rule renders prompts exactly as the agent loop does (`encode_prompt` on the row's
@@ -20,11 +23,12 @@ from typing import Any
 
 from offbeat.core.config.validation import Problems, check
 
-__all__ = ["SAMPLE_ROWS", "prompt_lengths"]
+__all__ = ["CHECK_ROWS", "SAMPLE_ROWS", "prompt_lengths"]
 
 log = logging.getLogger(__name__)
 
 SAMPLE_ROWS = 1000  # rows read per file by the prompt-length rule
+CHECK_ROWS = 100_000  # rows read per file by the bad-row rule (later ones: found at run time)
 _TINY_PREFIX = "offbeat-tiny:"
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -66,6 +70,52 @@ def prompt_lengths(path: str | Path, tokenizer: Any, prompt_key: str = "prompt")
         rows = batch.to_pylist()[:SAMPLE_ROWS]
         break
     return [len(encode_prompt(tokenizer, row_messages(r, prompt_key))) for r in rows]
+
+
+def _needs_ground_truth(cfg: Any) -> bool:
+    """False when one scorer scores every row and takes the ground truth as an optional
+    reference (the genrm judge)."""
+    from offbeat.core.registry import REWARD_FUNCTIONS
+
+    name = cfg.reward.name
+    if name == "task" or name not in REWARD_FUNCTIONS:
+        return True
+    return not getattr(REWARD_FUNCTIONS.get(name), "ground_truth_optional", False)
+
+
+@check
+def _dataset_rows_can_be_prompts(cfg: Any, p: Problems) -> None:
+    from offbeat.core.tasks.bad_rows import DatasetFileError, scan_file
+    from offbeat.core.tasks.rows import parquet_columns
+
+    prompt_key = cfg.data.prompt_key
+    for key in ("train_files", "val_files"):
+        for f in getattr(cfg.data, key) or []:
+            if not (isinstance(f, str) and Path(f).is_file()):
+                continue  # a missing file is the job rule's report
+            try:
+                if prompt_key not in parquet_columns(f):
+                    continue  # the reward rule names the missing column
+                scan = scan_file(
+                    f, prompt_key, needs_ground_truth=_needs_ground_truth(cfg), limit=CHECK_ROWS
+                )
+            except (DatasetFileError, OSError, ValueError) as e:
+                log.debug("bad-row rule skipped %s (%s)", f, e)
+                continue  # not readable parquet: the reward rule's report
+            name = Path(f).name
+            if scan.num_rows == 0:
+                p.add(f"data.{key}", f, f"a parquet file with at least one row ({name} has 0)")
+            elif scan.bad:
+                listed = "; ".join(f"row {i}: {why}" for i, why in scan.bad)
+                more = scan.bad_count - len(scan.bad)
+                p.add(
+                    f"data.{key}",
+                    f,
+                    f"rows that can be prompts: {scan.bad_count} of the {scan.rows_read} rows "
+                    f"read in {name} cannot ({listed}{f'; and {more} more' if more else ''}); "
+                    "fix or remove them (a run counts a bad row it draws as a failed group, "
+                    "reason bad_row)",
+                )
 
 
 @check

@@ -4,23 +4,31 @@ Knows nothing about tokenizers or rollout: it hands out dataset rows (dicts). Ea
 is a fresh permutation drawn from (seed, epoch), so the position (epoch, index) is all
 the state needed to resume exactly where a run stopped. How many passes a run makes is
 bounded by its step count (`steps_within_epochs`), not by the stream.
+
+A file that cannot be read fails the constructor (`DatasetFileError`, naming the file); a
+row that cannot be a prompt stays in the stream, marked (`bad_rows.BAD_ROW`: file, row
+index, why), and the agent loop counts its group failed (reason `bad_row`).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
+from offbeat.core.tasks.bad_rows import BAD_ROW, open_parquet, read_rows
 
 __all__ = ["PromptDataLoader", "count_rows", "steps_within_epochs"]
 
+log = logging.getLogger(__name__)
+
 
 def count_rows(paths: Sequence[str | Path]) -> int:
-    """Rows in the parquet files `paths` (read from their footers, not their data)."""
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+    """Rows in the parquet files `paths` (read from their footers, not their data); raises
+    `DatasetFileError` naming a file that cannot be read."""
+    return sum(open_parquet(p).metadata.num_rows for p in paths)
 
 
 def steps_within_epochs(
@@ -36,10 +44,16 @@ def steps_within_epochs(
 
 
 class PromptDataLoader:
-    """Rows of one or more parquet files, shuffled per epoch, consumed a few at a time."""
+    """Rows of one or more parquet files, shuffled per epoch, consumed a few at a time.
+    `prompt_key`: the prompt column (data.prompt_key), checked on every row at load."""
 
     def __init__(
-        self, paths: str | Path | Sequence[str | Path], *, shuffle: bool = True, seed: int = 0
+        self,
+        paths: str | Path | Sequence[str | Path],
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        prompt_key: str = "prompt",
     ):
         if isinstance(paths, (str, Path)):
             paths = [paths]
@@ -49,7 +63,15 @@ class PromptDataLoader:
         for p in paths:
             if not Path(p).is_file():
                 raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
-            rows.extend(pq.read_table(p).to_pylist())
+            file_rows = read_rows(p, prompt_key=prompt_key)
+            bad = [r[BAD_ROW] for r in file_rows if BAD_ROW in r]
+            if bad:
+                log.warning(
+                    "%d of %d rows of %s cannot be prompts; each group drawn from one fails "
+                    "(reason bad_row). First: %s",
+                    len(bad), len(file_rows), p, bad[0],
+                )  # fmt: skip
+            rows.extend(file_rows)
         if not rows:
             raise ValueError(f"dataset files {[str(p) for p in paths]} hold no rows")
         self.rows = rows

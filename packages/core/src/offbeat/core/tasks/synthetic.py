@@ -122,7 +122,11 @@ def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> Path:
 
 
 def read_parquet(path: str | Path) -> list[dict[str, Any]]:
-    return pq.read_table(path).to_pylist()
+    """Every row of a parquet file; one that does not decode is a `bad_rows.BAD_ROW` row
+    (see `bad_rows.read_rows`). Raises `DatasetFileError` naming a file it cannot read."""
+    from offbeat.core.tasks.bad_rows import read_rows
+
+    return read_rows(path)
 
 
 def _num_rows(path: Path) -> int | None:

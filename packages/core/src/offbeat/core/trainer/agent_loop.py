@@ -6,10 +6,14 @@ PartialRolloutClient, which hides interruptions), and for `n > 1` its
 `generate_group(request_id, prompt_ids, sampling_params, n) -> list[TokenOutput]` where the
 client has one (one request per group), and a `RewardRegistry`. It never lets a
 reward or engine error escape as anything but `GroupFailed`, which the rollout driver
-turns into a failed (evicted, counted, refilled) group. Its CPU work (chat template and
-tokenisation of the prompt, detokenisation and scoring of a group's responses) runs in a
-small thread pool of its own, never on the event loop: a slow scorer delays its group,
-not the rollout or the trainer.
+turns into a failed (evicted, counted, refilled) group, with a `reason` the run counts
+(`failed/<reason>_total`): `bad_row` (a dataset row that cannot be a prompt, checked before
+anything is generated), `prompt_too_long`, `prompt_error`, `engine_error`, or a reward's
+(`reward_error`, `reward_invalid`, `reward_timeout`, `reward_missing`). Its CPU work (chat
+template and tokenisation of the prompt, detokenisation) runs in a small thread pool of
+its own, never on the event loop; reward calls run off the loop too, each under
+`reward.timeout_s` (`RewardRegistry.ascore_group`): a slow scorer delays its group, not
+the rollout or the trainer, and a hung one fails its group at the deadline.
 """
 
 from __future__ import annotations
@@ -24,13 +28,30 @@ from typing import Any
 from offbeat.core.data import Trajectory
 from offbeat.core.rewards import RewardError, RewardRegistry
 from offbeat.core.rollout.protocol import sample_params
+from offbeat.core.tasks.bad_rows import BAD_ROW, row_problem
 from offbeat.core.tasks.rows import reward_fields
 
 logger = logging.getLogger(__name__)
 
 
 class GroupFailed(RuntimeError):
-    """A group could not be completed (reward function or engine error)."""
+    """A group could not be completed (a bad row, a reward function or engine error).
+    `reason`: a short name the run counts failed groups by (see the module docstring)."""
+
+    def __init__(self, message: str, reason: str = "error") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def check_row(row: Mapping[str, Any], prompt_key: str, rewards: Any) -> None:
+    """Raise `GroupFailed` (reason `bad_row`) when `row` cannot be made a prompt and scored:
+    the dataloader's mark (file and row index), else what `row_problem` finds."""
+    problem = row.get(BAD_ROW) if hasattr(row, "get") else None
+    if problem is None:
+        needs_truth = bool(getattr(rewards, "needs_ground_truth", True))
+        problem = row_problem(row, prompt_key, needs_ground_truth=needs_truth)
+    if problem is not None:
+        raise GroupFailed(f"bad row: {problem}", "bad_row")
 
 
 def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -88,7 +109,8 @@ class SingleTurnAgentLoop:
             ids = encode_prompt(self.tokenizer, list(messages))
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             raise GroupFailed(
-                f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}"
+                f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}",
+                "prompt_too_long",
             )
         return ids
 
@@ -106,7 +128,7 @@ class SingleTurnAgentLoop:
                     retry = await self.on_engine_error(e)
                 if not retry:
                     raise GroupFailed(
-                        f"generate({request_id}) failed: {type(e).__name__}: {e}"
+                        f"generate({request_id}) failed: {type(e).__name__}: {e}", "engine_error"
                     ) from e
                 logger.warning("generate(%s) failed (%s); retrying elsewhere", request_id, e)
 
@@ -139,19 +161,23 @@ class SingleTurnAgentLoop:
         self, uid: str, row: Mapping[str, Any], n: int, sampling: Mapping[str, Any] | None = None
     ) -> list[Trajectory]:
         """`n` trajectories for `row`, each scored; raises `GroupFailed`."""
+        check_row(row, self.prompt_key, self.rewards)
         try:
             prompt_ids = await self._off_loop(self.prompt_ids, row)
         except GroupFailed:
             raise
         except Exception as e:
-            raise GroupFailed(f"cannot build the prompt: {type(e).__name__}: {e}") from e
+            raise GroupFailed(
+                f"cannot build the prompt: {type(e).__name__}: {e}", "prompt_error"
+            ) from e
         # Parquet gives every row every key of the column's struct (missing ones as null):
         # a null override means "not set".
         overrides = {k: v for k, v in (row.get("sampling") or {}).items() if v is not None}
         params = {**self.sampling, **overrides, **(sampling or {})}
         outs = await self._generate_n(uid, prompt_ids, params, n)
         source, truth, extra_info = reward_fields(row)  # offbeat's or verl's row layout
-        rewards = await self._off_loop(self._score, source, truth, outs, extra_info)
+        texts = await self._off_loop(self._decode_group, outs)
+        rewards = await self.score_texts(source, truth, texts, extra_info)
         return [
             Trajectory(
                 prompt_ids=list(prompt_ids),
@@ -166,22 +192,33 @@ class SingleTurnAgentLoop:
             for out, reward in zip(outs, rewards, strict=True)
         ]
 
-    def _score(
-        self, source: str, truth: Any, outs: Sequence[Any], extra_info: Mapping[str, Any]
-    ) -> list[float]:
-        """Detokenise a group's responses (in one batch) and score them; runs in a
-        worker thread."""
+    def _decode_group(self, outs: Sequence[Any]) -> list[str]:
+        """Detokenise a group's responses in one batch; runs in a worker thread."""
         ids = [list(out.token_ids) for out in outs]
         batch_decode = getattr(self.tokenizer, "batch_decode", None)
         with self._tokenizer_lock:
             if batch_decode is not None:
-                texts = batch_decode(ids, skip_special_tokens=True)
-            else:
-                texts = [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+                return list(batch_decode(ids, skip_special_tokens=True))
+            return [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+
+    async def score_texts(
+        self, source: str, truth: Any, texts: Sequence[str], extra_info: Mapping[str, Any]
+    ) -> list[float]:
+        """The rewards of a group's texts, each call off the loop and under the reward
+        deadline (`RewardRegistry.ascore_group`); a rewards object without it is called in
+        this loop's threads, as one group. Raises `GroupFailed` with the reward's reason."""
         try:
-            group = getattr(self.rewards, "score_group", None)  # one call: judged concurrently
-            if group is not None:
-                return group(source, list(texts), truth, extra_info)
-            return [self.rewards.score(source, text, truth, extra_info) for text in texts]
+            ascore = getattr(self.rewards, "ascore_group", None)
+            if ascore is not None:
+                return list(await ascore(source, list(texts), truth, extra_info))
+            return await self._off_loop(self._score_sync, source, truth, list(texts), extra_info)
         except RewardError as e:
-            raise GroupFailed(str(e)) from e
+            raise GroupFailed(str(e), getattr(e, "reason", "reward_error")) from e
+
+    def _score_sync(
+        self, source: str, truth: Any, texts: list[str], extra_info: Mapping[str, Any]
+    ) -> list[float]:
+        group = getattr(self.rewards, "score_group", None)
+        if group is not None:
+            return group(source, texts, truth, extra_info)
+        return [self.rewards.score(source, text, truth, extra_info) for text in texts]

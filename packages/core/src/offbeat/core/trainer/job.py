@@ -427,7 +427,8 @@ def reward_registry(cfg: JobConfig) -> Any:
     then the registered scorers; `reward.name` other than "task" scores every row."""
     from offbeat.core.rewards import RewardRegistry
 
-    return RewardRegistry(cfg.reward.functions, name=cfg.reward.name, kwargs=cfg.reward.kwargs)
+    r = cfg.reward
+    return RewardRegistry(r.functions, name=r.name, kwargs=r.kwargs, timeout_s=r.timeout_s)
 
 
 # ---- the run -----------------------------------------------------------------------------
@@ -613,7 +614,10 @@ async def run_with_replicas(
             prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
             on_engine_error=pool.on_engine_error,
         )  # fmt: skip
-        loader = PromptDataLoader(p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        loader = PromptDataLoader(
+            p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+            prompt_key=cfg.data.prompt_key,
+        )  # fmt: skip
         train_agent = agent if hooks.wrap_agent is None else hooks.wrap_agent(agent)
         # rollout.replay / rollout.record: the driver's loader and agent, the trainer's hooks.
         rr = await asyncio.to_thread(

@@ -9,7 +9,8 @@ had work in flight (for the rollout idle fraction) and how many tokens it produc
 A failed group is refilled, so a rollout whose every group fails would spin forever: after
 `max_consecutive_failures` groups in a row fail with none finishing, the workers stop and
 `check()` raises `RolloutFailing`, naming the data source and the first error of the run
-of failures.
+of failures. Failed groups are counted by the reason the agent loop gave (`GroupFailed.
+reason`: bad_row, reward_timeout, ...): `failure_metrics()`, `failed/<reason>_total`.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class RolloutDriver:
         self.tokens_generated = 0
         self.groups_finished = 0  # groups that can be trained: the rollout's progress
         self.groups_failed = 0
+        self.failed_by_reason: dict[str, int] = {}
         self.errors: list[str] = []
         self.failures = FailureRun()  # since the last finished group
         self.fatal: RolloutFailing | None = None
@@ -167,10 +169,16 @@ class RolloutDriver:
         """Return once the failure limit is reached (then `check()` raises)."""
         await self._fatal_set.wait()
 
+    def failure_metrics(self) -> dict[str, float]:
+        """`failed/<reason>_total`: groups failed since this driver started, by reason."""
+        return {f"failed/{r}_total": float(n) for r, n in sorted(self.failed_by_reason.items())}
+
     def _failed(self, uid: str, row: Any, error: GroupFailed) -> None:
         self.groups_failed += 1
+        reason = getattr(error, "reason", "error")
+        self.failed_by_reason[reason] = self.failed_by_reason.get(reason, 0) + 1
         self.errors.append(f"{uid}: {error}")
-        logger.warning("group %s failed: %s", uid, error)
+        logger.warning("group %s failed (%s): %s", uid, reason, error)
         source = row.get("data_source", "") if hasattr(row, "get") else ""
         self.failures.add(uid, str(source), str(error))
         limit = self.max_consecutive_failures

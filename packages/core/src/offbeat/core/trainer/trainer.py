@@ -514,6 +514,7 @@ class Trainer:
             "buffer/evicted": float(len(evicted)),
             "buffer/evicted_total": float(counts["evicted"]),
             "buffer/failed_total": float(counts["failed"]),
+            **self.driver.failure_metrics(),  # failed/<reason>_total: bad_row, reward_timeout...
             "buffer/submitted_total": float(counts["submitted"]),
             "buffer/in_flight": float(counts["pending"] + counts["running"] + counts["finished"]),
             "timing/generate_wait_s": wait_s,

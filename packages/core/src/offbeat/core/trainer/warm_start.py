@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from offbeat.core.tasks.bad_rows import row_problem
 from offbeat.core.tasks.rows import row_ground_truth, row_messages
 from offbeat.core.trainer.agent_loop import encode_prompt
 
@@ -90,6 +91,8 @@ def warm_start(
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     examples = []
     for row in rows:
+        if row_problem(row, prompt_key, needs_ground_truth=False) is not None:
+            continue  # a bad row (offbeat.core.tasks.bad_rows): the run counts it failed
         if (truth := row_ground_truth(row)) is None:
             continue  # nothing to imitate
         prompt = encode_prompt(tok, row_messages(row, prompt_key))
