@@ -251,6 +251,10 @@ class TrainerConfig:
     log_dir: str = "outputs"
     loggers: list[str] = field(default_factory=lambda: ["console"])
     seed: int = 0
+    # Warn (once, then at most every 50 steps) when logprob_drift/abs_mean, the mean
+    # |log p_trainer - log p_rollout| per token on trajectories sampled at the trainer's
+    # current weights, passes this; null: never. float32 on both sides: ~3e-7; bf16: ~1e-2.
+    logprob_drift_warn: float | None = 0.05
     # The step timeline, <log_dir>/<experiment_name>/trace.json (Chrome trace / Perfetto):
     # every step when trace=true, else the first trace_steps steps (0: no trace).
     trace: bool = False

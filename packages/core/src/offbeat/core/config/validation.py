@@ -297,6 +297,19 @@ def _model_and_trainer(cfg: Any, p: Problems) -> None:
 
 
 @check
+def _logprob_drift_warn(cfg: Any, p: Problems) -> None:
+    value = cfg.trainer.logprob_drift_warn
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    if value is not None and not ok:
+        p.add(
+            "trainer.logprob_drift_warn",
+            value,
+            "must be a number > 0 (the mean |log-prob difference| per token that warns) or "
+            "null (never warn)",
+        )
+
+
+@check
 def _trace(cfg: Any, p: Problems) -> None:
     t = cfg.trainer
     if not isinstance(t.trace, bool):

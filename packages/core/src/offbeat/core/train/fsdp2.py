@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from offbeat.core import trace
 from offbeat.core.algorithms import global_normalizer, zero_masked
+from offbeat.core.algorithms.logprob_drift import DRIFT_MASK, batch_drift_sums, pop_drift_sums
 from offbeat.core.device import Device, current_device, get_device
 from offbeat.core.train import _batch, _checkpoint, _gather, _sharding
 from offbeat.core.train._metrics import MetricSums
@@ -385,7 +386,11 @@ class FSDP2TrainEngine:
         was not finite and the step was skipped), `actor/num_tokens` and `actor/num_seqs`
         (the normaliser's counts), `actor/max_memory_gb` (this rank's peak), and
         `perf/tflops_per_device`, `perf/mfu` (model FLOPs of the real tokens of every rank,
-        `offbeat.core.train.flops`, over the slowest rank's update time)."""
+        `offbeat.core.train.flops`, over the slowest rank's update time). A mini-batch
+        with a ``drift_mask`` field also gets `logprob_drift/*` and `logprob_drift_all/*`
+        (`offbeat.core.algorithms.logprob_drift`): this update's log-probs, all computed
+        before its optimizer step, against ``rollout_log_probs`` (train mode: a model with
+        active dropout would add its noise)."""
         t_start = time.perf_counter()
         temperature = self._temperature(temperature)
         self._bind_device()
@@ -419,6 +424,8 @@ class FSDP2TrainEngine:
                 # The loss is already scaled by loss_scale = dp size: FSDP averages gradients
                 # over ranks, and the sum of the shares is what the mini-batch gradient is.
                 loss, mb_metrics = self._loss_fn(log_probs, entropy, mb, norm)
+                if real and DRIFT_MASK in mb:  # these log-probs against the rollout's
+                    metrics.add(batch_drift_sums(log_probs, mb), 1.0)
                 if not real:
                     loss = loss * 0.0  # a short rank keeps FSDP's collectives in step
                 loss.backward()
@@ -440,7 +447,7 @@ class FSDP2TrainEngine:
             seconds = time.perf_counter() - t_start
             flops = training_flops(self._shape, seqlens)
             metrics.add({"perf/flops": flops, "perf/max_update_s": seconds}, 1.0)
-        result = metrics.reduce(self._group, self._device)
+        result = pop_drift_sums(metrics.reduce(self._group, self._device))
         if self._shape is not None:
             flops, seconds = result.pop("perf/flops"), result.pop("perf/max_update_s")
             result.update(perf_metrics(flops, seconds, self.dp_size, self._peak))

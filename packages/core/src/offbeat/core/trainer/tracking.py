@@ -2,7 +2,7 @@
 a final plot.
 
 Knows nothing about what the metrics mean beyond a few names the progress bar and the
-plot show (reward, staleness, tokens/s, the `timing/*` phases of a step). Metric names are "section/name" strings; values
+plot show (reward, staleness, tokens/s, log-prob drift, the `timing/*` phases of a step). Metric names are "section/name" strings; values
 are floats.
 
 wandb and MLflow live in `experiment_trackers` (optional extras, imported only when named);
@@ -42,6 +42,7 @@ CONSOLE_KEYS = (
     ("timing/sync_s", "sync_s"),
     ("sync/gbps", "sync_GBps"),
     ("perf/tokens_per_s", "tok/s"),
+    ("logprob_drift/abs_mean", "lp_drift"),
     ("perf/trainer_idle_frac", "trainer_idle"),
     ("perf/rollout_idle_frac", "rollout_idle"),
     ("memory/trainer_peak_gb", "trainer_GB"),
@@ -59,6 +60,13 @@ PLOT_KEYS = (
     ("val/reward", "validation reward"),
     ("off_policy/trajectory_staleness_mean", "staleness (versions)"),
     ("off_policy/trajectory_spans_mean", "span (steps)"),
+)
+# The log-prob drift panel (drawn when the run has any): the trainer's against the
+# rollout's log-probs at the same weights, and over every trajectory (with staleness).
+DRIFT_KEYS = (
+    ("logprob_drift/abs_mean", "|Δ log p| mean, same weights"),
+    ("logprob_drift/abs_max", "|Δ log p| max, same weights"),
+    ("logprob_drift_all/abs_mean", "|Δ log p| mean, all (incl. staleness)"),
 )
 # The step-time bar: the phases of a step, in order; what they leave of timing/step_s
 # is drawn as "other".
@@ -243,11 +251,15 @@ class MetricsTracker:
 def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
     """A matplotlib figure of four panels: train and validation reward over steps, the
     validation reward over weight versions (validation rows are logged at their version),
-    staleness and span over steps, and a stacked bar per step of `STEP_PHASES`."""
+    staleness and span over steps, and a stacked bar per step of `STEP_PHASES`; a fifth,
+    the log-prob drift (`DRIFT_KEYS`, log scale), when the history has it."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (ax1, ax_val, ax2, ax_time) = plt.subplots(4, 1, figsize=(7, 12))
+    drift = [(key, label) for key, label in DRIFT_KEYS if any(key in r for r in history)]
+    panels = 5 if drift else 4
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 3 * panels))
+    ax1, ax_val, ax2, ax_time = axes[:4]
     for key, label in PLOT_KEYS:
         pts = [(r["step"], r[key]) for r in history if key in r]
         if not pts:
@@ -280,7 +292,9 @@ def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
     ax_time.set_xlabel("global step")
     if steps:  # room above the bars for the legend
         ax_time.set_ylim(0, 1.4 * max(max(bottom), 1e-9))
-    for ax in (ax1, ax_val, ax2, ax_time):
+    if drift:
+        _plot_drift(axes[4], history, drift)
+    for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             stacked = ax is ax_time
             ax.legend(
@@ -290,6 +304,16 @@ def plot_history(history: Sequence[Mapping[str, float]]) -> Any:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     return fig
+
+
+def _plot_drift(ax: Any, history: Sequence[Mapping[str, float]], keys: Sequence) -> None:
+    for i, (key, label) in enumerate(keys):
+        # a zero drift (identical numerics) sits at the bottom of the log scale
+        pts = [(r["step"], max(r[key], 1e-12)) for r in history if key in r]
+        ax.plot(*zip(*pts, strict=True), marker="o", color=f"C{i}", label=label)
+    ax.set_yscale("log")
+    ax.set_ylabel("log-prob drift")
+    ax.set_xlabel("global step")
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -37,10 +37,17 @@ import torch
 from offbeat.core import trace
 from offbeat.core.agent.metrics import agent_metrics
 from offbeat.core.algorithms.advantages import compute_advantages
+from offbeat.core.algorithms.logprob_drift import DRIFT_MASK
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
 from offbeat.core.config.support import needs_critic
 from offbeat.core.data import TrajectoryBatch
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from offbeat.core.trainer.logprob_drift import (
+    DRIFT_WARN_DEFAULT,
+    DriftWarning,
+    drift_mask_of,
+    drift_of_old_log_probs,
+)
 from offbeat.core.trainer.replicas import ReplicaPool
 from offbeat.core.trainer.rollout import RolloutDriver
 from offbeat.core.trainer.tracking import MetricsTracker
@@ -74,6 +81,8 @@ class TrainerSettings:
     # Raise (instead of hanging) when no group finishes (failed ones do not count) for
     # this long while the trainer waits for a batch; None: wait forever.
     stall_timeout_s: float | None = None
+    # Warn when logprob_drift/abs_mean passes it (None: never); see trainer/logprob_drift.py.
+    logprob_drift_warn: float | None = DRIFT_WARN_DEFAULT
 
     @classmethod
     def from_job(cls, cfg: Any, *, pad_token_id: int = 0) -> TrainerSettings:
@@ -95,6 +104,7 @@ class TrainerSettings:
             resume=cfg.trainer.resume,
             pad_token_id=pad_token_id,
             stall_timeout_s=getattr(getattr(cfg, "runtime", None), "stall_timeout_s", None),
+            logprob_drift_warn=cfg.trainer.logprob_drift_warn,
         )
 
 
@@ -205,6 +215,7 @@ class Trainer:
         # HybridReplicas: validation cycles on the trainer's devices (None: no hybrids).
         self.hybrid = hybrid
         self.hybrid_metrics: list[tuple[int, dict[str, float]]] = []
+        self.drift_warning = DriftWarning(settings.logprob_drift_warn)
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -457,6 +468,12 @@ class Trainer:
                     self.engine.compute_log_probs, data, s.temperature
                 )
         old_lp_s = time.perf_counter() - t0
+        # Log-prob drift against the rollout's, on the trajectories sampled at the weights
+        # the trainer holds now (offbeat.core.trainer.logprob_drift).
+        drift_mask: torch.Tensor | None = drift_mask_of(batch, self.version)
+        drift: dict[str, float] = {}
+        if s.old_log_prob_source == "trainer":
+            drift, drift_mask = drift_of_old_log_probs(data, drift_mask), None
         extra: dict[str, float] = {}
         if self.critic_ref is not None:  # ref log-probs, KL in the reward, values, GAE
             extra = await self.critic_ref.prepare(data, batch.rewards, batch.group_uids)
@@ -471,6 +488,8 @@ class Trainer:
             for epoch in range(s.ppo_epochs):
                 for k in range(s.parameter_sync_step):
                     mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
+                    if drift_mask is not None and epoch == k == 0:  # before any optimizer step
+                        mb[DRIFT_MASK] = drift_mask[:rows_per_mb]
                     with trace.span("mini-batch", index=k, epoch=epoch):
                         update_metrics.append(await _call(self.engine.update, mb))
         train_s = time.perf_counter() - t0
@@ -535,6 +554,12 @@ class Trainer:
         for phase, secs in result.phase_s.items():
             metrics[f"timing/sync_{phase}_s"] = secs
         metrics.update(_merge_updates(update_metrics))
+        metrics.update(drift)
+        if warning := self.drift_warning.check(step, metrics):
+            if "console" in getattr(self.tracker, "loggers", ()):
+                self.tracker.event(warning)
+            else:
+                logger.warning(warning)
         metrics.update(extra)
         metrics.update(hook_metrics)
         if self.rollout_memory is not None:
