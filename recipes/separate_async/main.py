@@ -56,6 +56,8 @@ def report(summary: dict[str, Any]) -> None:
     print(f"metrics: {summary['metrics']}\nplot: {summary['plot']}")
     if summary.get("trace"):
         print(f"step timeline: {summary['trace']} (open in ui.perfetto.dev)")
+    if summary.get("logs"):
+        print(f"engine and Ray logs: {summary['logs']}/")
 
 
 def main(cfg: RunConfig) -> int:

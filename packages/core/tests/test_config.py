@@ -129,6 +129,20 @@ def test_trace_steps_is_rejected_where_trace_makes_it_unused():
     assert "ignored with trainer.trace=true" in probs["trainer.trace_steps"]
 
 
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_verbose_must_be_a_bool(bad):
+    probs = problems_of(good(trainer__verbose=bad))
+    assert list(probs) == ["trainer.verbose"]
+    assert repr(bad) in probs["trainer.verbose"] and "logs" in probs["trainer.verbose"]
+
+
+def test_verbose_loads_from_overrides():
+    assert load_config(None, ["model.path=m"]).trainer.verbose is False
+    cfg = load_config(None, ["trainer.verbose=true", "model.path=m"])
+    assert cfg.trainer.verbose is True
+    validate(cfg)
+
+
 def test_trace_keys_load_from_overrides():
     cfg = load_config(None, ["trainer.trace=true", "model.path=m"])
     assert cfg.trainer.trace is True

@@ -25,6 +25,7 @@ _ENV = (
     "RAY_USAGE_STATS_ENABLED",
     "HF_HUB_DISABLE_PROGRESS_BARS",
     "TQDM_DISABLE",
+    "RAY_COLOR_PREFIX",
 )
 UPGRADE = (
     f"ray {ray.__version__}: offbeat.core.trainer.job.init_ray relies on this private Ray "
@@ -96,6 +97,18 @@ def test_local_init_keeps_loopback_and_turns_dashboard_uv_and_usage_stats_off(fa
     # stdout is a log file: no library progress bars in the processes started from here
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     assert os.environ["TQDM_DISABLE"] == "1"
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"  # Ray's "(pid=...)" prefixes uncoloured
+    assert call["log_to_driver"] is True  # a job passes trainer.verbose
+
+
+def test_a_quiet_job_keeps_ray_workers_off_the_console(fake_ray_init):
+    init_ray(RuntimeConfig(), log_to_driver=False)
+    assert fake_ray_init[0]["log_to_driver"] is False
+    # announce_logs links the Ray session's logs into the run's through these private names
+    from ray._private.node import Node
+
+    assert hasattr(ray_worker, "_global_node"), f"ray._private.worker._global_node? {UPGRADE}"
+    assert callable(getattr(Node, "get_logs_dir_path", None)), f"Node.get_logs_dir_path? {UPGRADE}"
 
 
 class _Terminal(io.StringIO):
@@ -108,6 +121,7 @@ def test_on_a_terminal_library_progress_bars_stay(fake_ray_init, monkeypatch):
     init_ray(RuntimeConfig())
     assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
     assert "TQDM_DISABLE" not in os.environ
+    assert "RAY_COLOR_PREFIX" not in os.environ
 
 
 def test_a_user_choice_in_the_environment_is_kept(fake_ray_init):

@@ -187,3 +187,28 @@ def test_a_one_worker_cpu_engine_runs_its_worker_in_the_engine_core(
 
     assert compat.one_process_engine(dict(kwargs)) is folded
     assert os.environ.get(compat.ONE_PROCESS_ENV) == ("0" if folded else env)
+
+
+def test_shutdown_engine_waits_for_the_engine_core_where_the_release_can():
+    """vLLM's own wait for its engine core after SIGTERM is 5 s, shorter than the
+    core's teardown on a loaded machine (it then force-kills it): the replica passes its
+    own wait where `AsyncLLM.shutdown` takes one."""
+    import inspect
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    assert "timeout" in inspect.signature(AsyncLLM.shutdown).parameters  # 0.32 takes one
+
+    calls = []
+
+    class Takes:
+        def shutdown(self, timeout=None):
+            calls.append(timeout)
+
+    class Older:
+        def shutdown(self):
+            calls.append("no timeout")
+
+    compat.shutdown_engine(Takes(), 20.0)
+    compat.shutdown_engine(Older(), 20.0)
+    assert calls == [20.0, "no timeout"]

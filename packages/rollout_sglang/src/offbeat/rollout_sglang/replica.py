@@ -160,6 +160,7 @@ def sglang_replica(
     name (default `rollout-<index>`); `cpus`: its cores (default: its share of
     `runtime.rollout_cpus`)."""
     from offbeat.core.cpus import share_of
+    from offbeat.core.process_log import replica_log_env, replica_log_path
     from offbeat.rollout_sglang.server import SGLangServerConfig
 
     rt = job.runtime
@@ -168,14 +169,21 @@ def sglang_replica(
         cpus = share_of(list(rt.rollout_cpus), replicas, index)
     # SGLang's CUDA stack usually lives in an environment of its own: name its python.
     python = os.environ.get(SGLANG_PYTHON)
+    server_id = server_id or f"rollout-{index}"
+    # The actor's process writes to a file under the run's log directory and the server
+    # process to one beside it, unless trainer.verbose keeps the actor's on the console.
+    log = replica_log_path(job, server_id)
     config = SGLangServerConfig(
         model=model_path,
         server_args=server_args_of(job),
-        server_id=server_id or f"rollout-{index}",
+        server_id=server_id,
         env=dict(rt.rollout_env),
         command=[python, "-m", "sglang.launch_server"] if python else None,
+        log_path=str(log.with_suffix(".server.log")) if log is not None else None,
     )
     options = {"num_cpus": rt.rollout_num_cpus, "num_gpus": rt.rollout_num_gpus, **ray_options}
+    if log is not None:
+        options["runtime_env"] = {"env_vars": replica_log_env(log)}
     handle = sglang_server_actor(config, cpus=cpus, **options)
     return RemoteSGLangServer(handle, weight_version=config.weight_version)
 

@@ -107,6 +107,7 @@ def vllm_replica(
     pool, or a hybrid replica's place and share in the trainer pool) go to the actor.
     `server_id`: its name (default `rollout-<index>`; replacements and hybrid replicas
     have their own); `cpus`: its cores (default: its share of `runtime.rollout_cpus`)."""
+    from offbeat.core.process_log import replica_log_env, replica_log_path
     from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor
     from offbeat.rollout_vllm.server import VLLMServerConfig
 
@@ -117,9 +118,11 @@ def vllm_replica(
         # In a placement group vLLM would pick its Ray executor, which wants a bundle per
         # worker; the replica's bundle holds all its devices: its own processes use them.
         engine_kwargs.setdefault("distributed_executor_backend", "mp")
-    config = VLLMServerConfig(
-        model=model_path, engine_kwargs=engine_kwargs, server_id=server_id or f"rollout-{index}"
-    )
+    server_id = server_id or f"rollout-{index}"
+    # Its processes (the actor, vLLM's engine core) write to a file under the run's log
+    # directory, unless trainer.verbose keeps them on the console.
+    env.update(replica_log_env(replica_log_path(job, server_id)))
+    config = VLLMServerConfig(model=model_path, engine_kwargs=engine_kwargs, server_id=server_id)
     options = {"num_cpus": rt.rollout_num_cpus, "num_gpus": rt.rollout_num_gpus, **ray_options}
     handle = vllm_server_actor(config, cpus=cpus, runtime_env={"env_vars": env}, **options)
     # The proxy knows the version the replica starts with: reading it never asks the actor.

@@ -63,6 +63,10 @@ class VLLMServerConfig:
     # keeps vLLM's queue fed for the slots that free up each step. A very large number lets
     # every call straight into vLLM (every one of them is then aborted by a sync).
     engine_queue: int | None = None
+    # How long `shutdown()` waits for the engine-core process to exit (vLLM's default, 5 s,
+    # is shorter than its teardown on a loaded CPU machine: vLLM then kills it). Below
+    # the 30 s the job gives a replica's shutdown before it kills the actor.
+    shutdown_timeout_s: float = 20.0
     # gc.freeze() once the engine is up (as vLLM's own API server does): the startup heap
     # (torch, transformers, vLLM) moves out of the collector's reach, so the full
     # collections that the hot path's allocations trigger stay cheap. Process-wide.
@@ -567,7 +571,7 @@ class VLLMRolloutServer:
         """Stop the engine and its processes. The server is unusable afterwards."""
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
-            engine.shutdown()
+            compat.shutdown_engine(engine, self.config.shutdown_timeout_s)
             # Drop the last reference now: AsyncLLM.__del__ shuts down again, which fails
             # noisily if it only runs at interpreter exit.
             del engine

@@ -250,6 +250,11 @@ class TrainerConfig:
     experiment_name: str = "default"
     log_dir: str = "outputs"
     loggers: list[str] = field(default_factory=lambda: ["console"])
+    # false: the console shows offbeat's lines; each rollout replica's process output (its
+    # engine's logs) goes to <log_dir>/<experiment_name>/logs/<replica>.log, and Ray's
+    # worker logs stay in its session directory (linked there as logs/ray). true: both come
+    # back to the console, as Ray forwards them.
+    verbose: bool = False
     seed: int = 0
     # Warn (once, then at most every 50 steps) when logprob_drift/abs_mean, the mean
     # |log p_trainer - log p_rollout| per token on trajectories sampled at the trainer's

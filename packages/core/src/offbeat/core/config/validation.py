@@ -297,6 +297,17 @@ def _model_and_trainer(cfg: Any, p: Problems) -> None:
 
 
 @check
+def _verbose(cfg: Any, p: Problems) -> None:
+    if not isinstance(cfg.trainer.verbose, bool):
+        p.add(
+            "trainer.verbose",
+            cfg.trainer.verbose,
+            "must be true (the engines' and Ray's logs on the console) or false (in files "
+            "under trainer.log_dir/<experiment_name>/logs)",
+        )
+
+
+@check
 def _logprob_drift_warn(cfg: Any, p: Problems) -> None:
     value = cfg.trainer.logprob_drift_warn
     ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0

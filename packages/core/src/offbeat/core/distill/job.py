@@ -173,6 +173,7 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
     from offbeat.core.tasks import read_parquet
     from offbeat.core.trainer.job import (
         JobHooks,
+        announce_logs,
         init_ray,
         pin_trainer,
         prepare,
@@ -198,7 +199,8 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
     teacher_dirs = await asyncio.to_thread(
         build_teachers, dict(d.teachers), cache, prompt_key=cfg.data.prompt_key
     )
-    init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
+    init_ray(cfg.runtime, num_gpus=split_gpus(cfg), log_to_driver=cfg.trainer.verbose)
+    announce_logs(cfg)
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)
     pools = await start_pools(p.cfg, teacher_pool_specs(p.cfg, d))

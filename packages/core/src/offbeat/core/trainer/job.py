@@ -243,9 +243,10 @@ def resolve_data(cfg: RunConfig, out_dir: Path) -> tuple[list[str], list[str]]:
     return [str(tr)], val or [str(va)]
 
 
-def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
+def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: bool = True) -> None:
     """Join `rt.ray_address`, or start a local Ray that sees `num_gpus` GPUs (None: Ray
-    counts them).
+    counts them). `log_to_driver`: Ray prints its workers' output on this console (a job
+    passes `trainer.verbose`; otherwise it stays in the Ray session's log directory).
 
     Local: dashboard UI off, bound to loopback, usage stats off (the job reports to
     nothing outside). Ray has no switch for its dashboard *processes*: with the dashboard
@@ -268,6 +269,7 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
         # redraw with carriage returns: keep them out of a log file.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray's "(pid=...)" in plain text
     import ray
     from ray._private import ray_constants, services
 
@@ -277,7 +279,7 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if rt.ray_address:
-        ray.init(address=rt.ray_address, log_to_driver=True)
+        ray.init(address=rt.ray_address, log_to_driver=log_to_driver)
         return
     # Ray swaps a loopback node IP for the machine's reachable one, and its servers bind to
     # the node IP: keep loopback so a local job listens on nothing else.
@@ -298,11 +300,35 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None) -> None:
             num_gpus=num_gpus,
             include_dashboard=False,
             _node_ip_address=rt.node_ip,
-            log_to_driver=True,
+            log_to_driver=log_to_driver,
             configure_logging=False,
         )
     finally:
         services.resolve_ip_for_localhost = original
+
+
+def announce_logs(cfg: RunConfig) -> Path | None:
+    """Unless `trainer.verbose`: make the run's process-log directory (each replica writes
+    its file there, see `offbeat.core.process_log`), link the Ray session's log directory
+    into it as `ray` (a private Ray name: `ray._private.worker._global_node`), and name it
+    on the console. Returns it as configured (None when verbose)."""
+    from offbeat.core.process_log import link_ray_logs, run_logs_dir
+
+    t = cfg.trainer
+    if t.verbose:
+        return None
+    logs = Path(t.log_dir) / t.experiment_name / "logs"
+    run_logs_dir(t.log_dir, t.experiment_name).mkdir(parents=True, exist_ok=True)
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    with contextlib.suppress(Exception):  # a joined cluster's logs may live elsewhere
+        link_ray_logs(logs, node.get_logs_dir_path() if node is not None else None)
+    print(
+        f"offbeat: engine and Ray logs in {logs}/ (trainer.verbose=true prints them here)",
+        flush=True,
+    )
+    return logs
 
 
 def split_gpus(cfg: RunConfig) -> int | None:
@@ -718,7 +744,8 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
     from offbeat.core.rewards.genrm_replicas import judge_pools, start_judges
 
     t0 = time.perf_counter()
-    init_ray(cfg.runtime, num_gpus=split_gpus(cfg))
+    init_ray(cfg.runtime, num_gpus=split_gpus(cfg), log_to_driver=cfg.trainer.verbose)
+    logs = announce_logs(cfg)
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
     pools = await start_pools(p.cfg, extra=judge_pools(p.cfg))  # genrm: the "judge" pool
@@ -753,4 +780,5 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
         pools.remove()
     summary["total_wall_s"] = time.perf_counter() - t0
     summary["start_order"] = order
+    summary["logs"] = str(logs) if logs is not None else None
     return summary
