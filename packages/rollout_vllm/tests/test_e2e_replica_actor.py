@@ -11,7 +11,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
 from offbeat.rollout_vllm import RemoteRolloutServer, VLLMServerConfig, vllm_server_actor  # noqa: E402
-from offbeat.rollout_vllm.replica import OMP_BIND  # noqa: E402
+from offbeat.rollout_vllm.replica import OMP_BIND, PRESTART_ENV  # noqa: E402
 
 ENGINE_KWARGS = {
     "max_model_len": 256,
@@ -31,7 +31,11 @@ def replica(tiny_model, ray_session):
     handle = vllm_server_actor(
         VLLMServerConfig(model=str(tiny_model), engine_kwargs=dict(ENGINE_KWARGS)),
         cpus=[core],
-        runtime_env={"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", OMP_BIND: str(core)}},
+        # PRESTART_ENV: as the job starts a CPU replica (its engine core forks from a
+        # preloaded server, which must end on the replica's core too).
+        runtime_env={
+            "env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1", OMP_BIND: str(core), PRESTART_ENV: "1"}
+        },
     )
     yield handle, core
     ray.get(handle.shutdown.remote())
@@ -43,8 +47,9 @@ def test_every_process_and_thread_of_the_replica_is_on_its_cores(replica):
 
     handle, core = replica
     tree = ray.get(handle.process_cpus.remote())
-    # The actor plus vLLM's engine core (and its worker, where vLLM starts one).
-    assert len(tree) >= 2 and any(name.startswith("VLLM") for name, _ in tree.values()), tree
+    # The actor, the preloaded forkserver and vLLM's engine core forked from it (and its
+    # worker, where vLLM starts one).
+    assert len(tree) >= 3 and any(name.startswith("VLLM") for name, _ in tree.values()), tree
     wrong = {pid: (name, cpus) for pid, (name, cpus) in tree.items() if cpus != [core]}
     assert not wrong, f"processes outside core {core}: {wrong}"
 

@@ -14,7 +14,14 @@ import contextlib
 import os
 from collections.abc import Sequence
 
-__all__ = ["machine_cpus", "pin_process", "process_tree_cpus", "share_of", "thread_cpus"]
+__all__ = [
+    "machine_cpus",
+    "pin_process",
+    "pin_threads",
+    "process_tree_cpus",
+    "share_of",
+    "thread_cpus",
+]
 
 # The mask this process had before `pin_process` first narrowed it.
 _before_pinning: frozenset[int] | None = None
@@ -56,6 +63,15 @@ def pin_process(cpus: Sequence[int]) -> None:
         for tid in _tids():
             with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
                 os.sched_setaffinity(tid, want)
+
+
+def pin_threads(pid: int, cpus: Sequence[int]) -> None:
+    """Confine every thread of another process `pid` of ours (e.g. a helper it started
+    before this one was pinned) to `cpus`; nothing when it is gone."""
+    for _ in range(2):  # as in pin_process
+        for tid in thread_cpus(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, set(cpus))
 
 
 def thread_cpus(pid: int) -> dict[int, set[int]]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from offbeat.core.cpus import pin_process, process_tree_cpus
+from offbeat.core.cpus import pin_process, pin_threads, process_tree_cpus
+from offbeat.rollout_vllm import _prestart, compat
 from offbeat.rollout_vllm._batching import Call, GenerateStream
 from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig
 
@@ -25,7 +26,12 @@ class VLLMReplicaActor(VLLMRolloutServer):
         self.cpus = sorted(cpus or [])
         if self.cpus:
             pin_process(self.cpus)
+        if _prestart.started():  # the engine core forks from the preloaded server
+            compat.engine_core_context(_prestart.ForkServerContext())
         super().__init__(config)
+        if self.cpus:  # the forkserver preloaded on any core; from now on, on ours
+            for pid in _prestart.server_pids():
+                pin_threads(pid, self.cpus)
         self._calls = GenerateStream(self.generate, self.generate_group)
 
     # ---- the batched call path (driver side: BatchedGenerateClient) -------------------

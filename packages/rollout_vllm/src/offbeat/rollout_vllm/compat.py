@@ -40,6 +40,7 @@ __all__ = [
     "VLLMVersionError",
     "api_for",
     "check_names",
+    "engine_core_context",
     "layerwise_reload",
     "one_process_engine",
     "pause_engine",
@@ -277,6 +278,21 @@ def one_process_engine(engine_kwargs: dict[str, Any]) -> bool:
     if size != 1:
         return False
     os.environ[ONE_PROCESS_ENV] = "0"
+    return True
+
+
+def engine_core_context(context: Any) -> bool:
+    """Start vLLM's engine-core process with the multiprocessing `context` given (its
+    `Process`) instead of `get_mp_context()`'s, which is `spawn` in a Ray actor. vLLM
+    looks the function up in `vllm.v1.engine.utils` (0.24 to 0.32) when it starts the
+    process; process-wide (a replica owns its process). Returns whether it could."""
+    try:
+        utils = importlib.import_module("vllm.v1.engine.utils")
+    except ImportError:
+        return False
+    if not callable(getattr(utils, "get_mp_context", None)):
+        return False
+    utils.get_mp_context = lambda: context
     return True
 
 
