@@ -35,6 +35,7 @@ __all__ = [
     "ToolResult",
     "ToolRunner",
     "calculate",
+    "cut",
     "load_tool",
     "tool",
 ]

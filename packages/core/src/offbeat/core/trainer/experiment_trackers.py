@@ -192,6 +192,9 @@ class MlflowRun(ExperimentTracker):
             sent.add_done_callback(_warn_if_failed)
 
     def log_files(self, paths: Sequence[Path]) -> None:
+        # The rows first: a file store read while a row is half written reads it as
+        # malformed (log_artifact reads the run back).
+        self._writer.shutdown(wait=True)
         for path in paths:
             self.client.log_artifact(self.run_id, str(path))
 
