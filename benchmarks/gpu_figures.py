@@ -12,15 +12,19 @@ vLLM with `load_format=dummy`.
               (reuses benchmarks/rollout_abort_latency.py's round), against the raw re-prefill
               of the same sequences; p50 / p99 over rounds.
   weightsync  a weight sync by `cuda_ipc` from this process (the trainer's bf16 tensors on the
-              GPU) into a real engine, per phase, the engine's own `load_weights` included;
-              against a device-to-device copy of the same bytes. Then the sleep/wake cost of
+              GPU) into a real engine, per phase, the engine's own work included; against a
+              device-to-device copy of the same bytes. Variants, interleaved sync by sync:
+              every tensor through vLLM's `load_weights` with the KV cache released (the
+              old path), the direct copy into the parameters with it released, and the
+              direct copy keeping the KV cache (`release_kv=False`). Then the sleep/wake cost of
               a hybrid validation cycle on the same engine: sleep(1) / wake, and sleep(2) /
               wake weights / reload by cuda_ipc / wake KV, with the memory each sleep frees;
               against the engine's cold start, measured in the same run.
 
     python benchmarks/gpu_figures.py throughput [--prompts 512] [--max-tokens 256] [--repeats 5]
-    python benchmarks/gpu_figures.py abort [--requests 512] [--rounds 10]
+    python benchmarks/gpu_figures.py abort [--requests 512] [--rounds 10] [--profile]
     python benchmarks/gpu_figures.py weightsync [--shapes 1.5b 7b] [--syncs 5] [--cycles 3]
+        [--variants load_weights+kv direct+kv direct] [--bucket-mb MB]
 """
 
 from __future__ import annotations
@@ -210,12 +214,29 @@ async def abort(args: argparse.Namespace) -> None:
     rounds, base = [], []
     try:
         await ral.one_round(server, client, prompts, "warm")
+        if args.profile:
+            # Where this process spends one round (abort, resubmission, re-prefill): the
+            # functions by their own time, for finding per-request overhead.
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            x = await ral.one_round(server, client, prompts, "prof")
+            prof.disable()
+            print(
+                f"profiled round (slower under the profiler): abort {1e3 * x['abort']:.0f} ms, "
+                f"resubmitted {1e3 * x['to_resubmitted']:.0f} ms, generating again "
+                f"{1e3 * x['to_generating']:.0f} ms; this process's top functions:"
+            )
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         for r in range(args.rounds):
             rounds.append(await ral.one_round(server, client, prompts, f"lat{r}"))
             base.append(await ral.baseline_prefill(server.engine, rounds[-1]["seqs"], f"b{r}"))
             x = rounds[-1]
             print(
                 f"round {r}: abort {1e3 * x['abort']:.1f} ms, resume {1e3 * x['resume']:.1f} ms, "
+                f"all resubmitted and accepted {1e3 * x['to_resubmitted']:.1f} ms, "
                 f"all generating again {1e3 * x['to_generating']:.1f} ms, raw re-prefill "
                 f"{1e3 * base[-1]:.1f} ms",
                 flush=True,
@@ -233,6 +254,10 @@ async def abort(args: argparse.Namespace) -> None:
     rows = [
         ("abort_all() until every call returned 'aborted'", [x["abort"] for x in rounds]),
         ("resume()", [x["resume"] for x in rounds]),
+        (
+            "abort_all() -> all resubmitted, accepted by the engine",
+            [x["to_resubmitted"] for x in rounds],
+        ),
         ("abort_all() -> all requests generating again", [x["to_generating"] for x in rounds]),
         ("baseline: raw AsyncLLM re-prefill of the same sequences", base),
     ]
@@ -242,14 +267,26 @@ async def abort(args: argparse.Namespace) -> None:
             f"  {label:<58}{1e3 * MED(xs):>8.1f}{1e3 * pct(xs, 0.99):>8.1f}   "
             + ", ".join(f"{1e3 * x:.0f}" for x in xs)
         )
+    print(
+        f"  abort -> all resumed (resubmitted, accepted) p99 "
+        f"{1e3 * pct([x['to_resubmitted'] for x in rounds], 0.99):.1f} ms (target <= 50 ms)"
+    )
     over = [x["to_generating"] - b for x, b in zip(rounds, base, strict=True)]
     print(
-        f"  abort -> all resumed p99 {1e3 * pct([x['to_generating'] for x in rounds], 0.99):.1f} ms"
+        f"  abort -> all generating again p99 {1e3 * pct([x['to_generating'] for x in rounds], 0.99):.1f} ms"
         f" (target <= 50 ms); beyond the re-prefill: median {1e3 * MED(over):.1f} ms"
     )
 
 
 # ---- weight sync + sleep/wake -----------------------------------------------------------
+# Weight-sync variants: (direct_weight_copy, release_kv, what it is).
+VARIANTS = {
+    "load_weights+kv": (False, True, "every tensor through vLLM's load_weights, KV released (the old path)"),
+    "direct+kv": (True, True, "direct copy into the parameters, KV released"),
+    "direct": (True, False, "direct copy, KV kept (release_kv=False)"),
+}  # fmt: skip
+
+
 def shaped_model(root: Path, shape: str) -> Path:
     """A model directory of `shape` for `load_format=dummy`: the byte tokenizer of a tiny
     build, a Qwen2 config of that shape, no weights."""
@@ -326,8 +363,17 @@ async def weightsync_shape(shape: str, args: argparse.Namespace, root: Path) -> 
         VLLMServerConfig(model=str(model), engine_kwargs=kw, server_id=shape)
     )
     cold_start = time.perf_counter() - t0
-    manager = CheckpointEngineManager("cuda_ipc", phase_timeout_s=600)
-    syncs, version, cycles1, cycles2 = [], 0, [], []
+    managers = {
+        v: CheckpointEngineManager(
+            "cuda_ipc",
+            phase_timeout_s=600,
+            release_kv=VARIANTS[v][1],
+            bucket_bytes=(args.bucket_mb << 20) if args.bucket_mb else None,
+        )
+        for v in args.variants
+    }
+    syncs: dict[str, list] = {v: [] for v in args.variants}
+    version, cycles1, cycles2 = 0, [], []
     prompt = list(range(40, 72))
     ids = itertools.count()
 
@@ -343,22 +389,31 @@ async def weightsync_shape(shape: str, args: argparse.Namespace, root: Path) -> 
         return time.perf_counter() - t
 
     try:
-        for i in range(args.warmup + args.syncs):
+        # Variants interleaved sync by sync (each its own warm-up first), so drift in the
+        # machine's state hits them alike.
+        order = [v for _ in range(args.warmup + args.syncs) for v in args.variants]
+        done: dict[str, int] = dict.fromkeys(args.variants, 0)
+        for variant in order:
+            server.config.direct_weight_copy = VARIANTS[variant][0]
             version += 1
             t = time.perf_counter()
-            res = await manager.sync(tensors, version, {shape: server})
+            res = await managers[variant].sync(tensors, version, {shape: server})
             total = time.perf_counter() - t
             assert res.ok, res.failed
-            if i >= args.warmup:
-                w = server.last_update["workers"][0]
-                syncs.append((res, total, w))
-                print(
-                    f"{shape} sync {version}: total {1e3 * total:.1f} ms, phases "
-                    + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in res.phase_s.items())
-                    + f" ms, worker {json.dumps({k: round(v, 4) for k, v in w.items() if isinstance(v, float)})}",
-                    flush=True,
-                )
+            done[variant] += 1
+            w = server.last_update["workers"][0]
+            if done[variant] > args.warmup:
+                syncs[variant].append((res, total, w))
+            print(
+                f"{shape} [{variant}] sync {version}{' (warm-up)' if done[variant] <= args.warmup else ''}: "
+                f"total {1e3 * total:.1f} ms, phases "
+                + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in res.phase_s.items())
+                + f" ms, worker {json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in w.items() if k != 'version'})}",
+                flush=True,
+            )
         await probe()
+        server.config.direct_weight_copy = True
+        manager = managers[args.variants[-1]]
         # Hybrid validation cycle, level 1: sleep beside the trainer, wake, validate.
         for c in range(args.cycles):
             awake = free_bytes()
@@ -399,7 +454,8 @@ async def weightsync_shape(shape: str, args: argparse.Namespace, root: Path) -> 
                   f"{t_sleep:.3f}s, wake weights {t_ww:.3f}s, reload {t_reload:.3f}s, wake KV "
                   f"{t_wk:.3f}s, probe {t_val:.3f}s", flush=True)  # fmt: skip
     finally:
-        manager.close()
+        for m in managers.values():
+            m.close()
         server.shutdown()
         del tensors
         import torch
@@ -424,35 +480,44 @@ async def weightsync(args: argparse.Namespace) -> None:
     print(
         f"engine: vLLM bf16, load_format=dummy, enforce_eager, gpu_memory_utilization "
         f"{args.mem}; trainer: this process, its bf16 tensors on the same GPU; cuda_ipc "
-        f"backend, default buckets; median of {args.syncs} syncs after {args.warmup} warm-up"
+        f"backend, {f'{args.bucket_mb} MiB' if args.bucket_mb else 'default'} buckets; median of "
+        f"{args.syncs} syncs after {args.warmup} warm-up"
     )
     print(
-        f"{'shape':<6}{'GB':>7}{'buckets':>8}{'abort':>8}{'rel.KV':>8}{'transfer':>10}"
-        f"{'res.KV':>8}{'resume':>8}{'total':>8}{'GB/s':>8}{'D2D ms':>8}{'D2D GB/s':>9}"
-        f"{'xfer/D2D':>9}{'total/D2D':>10}   (ms)"
+        "variants (interleaved in one run, same engine and trainer tensors): "
+        + "; ".join(f"{v}: {VARIANTS[v][2]}" for v in args.variants)
+    )
+    print(
+        f"{'shape':<6}{'variant':<16}{'GB':>7}{'buckets':>8}{'abort':>8}{'rel.KV':>8}"
+        f"{'transfer':>10}{'res.KV':>8}{'resume':>8}{'total':>8}{'GB/s':>8}{'D2D ms':>8}"
+        f"{'D2D GB/s':>9}{'xfer/D2D':>9}{'total/D2D':>10}   (ms)"
     )
     for r in rows:
-        s = r["syncs"]
-        ph = {k: MED(x[0].phase_s[k] for x in s) for k in s[0][0].phase_s}
-        xfer, total = ph["transfer"], MED(x[1] for x in s)
-        d2d_gbps = r["bytes"] / r["d2d_s"] / GB
-        print(
-            f"{r['shape']:<6}{r['bytes'] / GB:>7.2f}{s[0][0].buckets:>8}"
-            f"{1e3 * ph.get('abort', 0):>8.1f}{1e3 * ph.get('release_kv', 0):>8.1f}"
-            f"{1e3 * xfer:>10.1f}{1e3 * ph.get('resume_kv', 0):>8.1f}"
-            f"{1e3 * ph.get('resume', 0):>8.1f}{1e3 * total:>8.1f}{r['bytes'] / xfer / GB:>8.1f}"
-            f"{1e3 * r['d2d_s']:>8.1f}{d2d_gbps:>9.0f}{r['d2d_s'] / xfer:>9.1%}"
-            f"{r['d2d_s'] / total:>10.1%}"
-        )
+        for variant, s in r["syncs"].items():
+            ph = {k: MED(x[0].phase_s.get(k, 0.0) for x in s) for k in s[0][0].phase_s}
+            xfer, total = ph["transfer"], MED(x[1] for x in s)
+            d2d_gbps = r["bytes"] / r["d2d_s"] / GB
+            print(
+                f"{r['shape']:<6}{variant:<16}{r['bytes'] / GB:>7.2f}{s[0][0].buckets:>8}"
+                f"{1e3 * ph.get('abort', 0):>8.1f}{1e3 * ph.get('release_kv', 0):>8.1f}"
+                f"{1e3 * xfer:>10.1f}{1e3 * ph.get('resume_kv', 0):>8.1f}"
+                f"{1e3 * ph.get('resume', 0):>8.1f}{1e3 * total:>8.1f}"
+                f"{r['bytes'] / xfer / GB:>8.1f}{1e3 * r['d2d_s']:>8.1f}{d2d_gbps:>9.0f}"
+                f"{r['d2d_s'] / xfer:>9.1%}{r['d2d_s'] / total:>10.1%}"
+            )
     print("inside the transfer phase, in vLLM's worker (median, ms):")
     for r in rows:
-        keys = sorted({k for x in r["syncs"] for k, v in x[2].items() if isinstance(v, float)})
-        print(
-            f"  {r['shape']}: "
-            + ", ".join(f"{k} {1e3 * MED(x[2].get(k, 0.0) for x in r['syncs']):.1f}" for k in keys)
-        )
+        for variant, s in r["syncs"].items():
+            keys = sorted({k for x in s for k, v in x[2].items() if isinstance(v, float)})
+            print(
+                f"  {r['shape']} {variant}: "
+                + ", ".join(f"{k} {1e3 * MED(x[2].get(k, 0.0) for x in s):.1f}" for k in keys)
+                + f"; tensors direct/loaded {s[-1][2].get('direct_tensors')}/"
+                f"{s[-1][2].get('loaded_tensors')}"
+            )
     print(
-        "  (xfer/D2D: the transfer phase's speed as a share of the D2D copy's; target for 7B >= 50%)"
+        f"  (xfer/D2D: the transfer phase's speed as a share of the D2D copy's; total/D2D: the "
+        f"whole sync's; target for 7B >= 50%); load average {os.getloadavg()}"
     )
     print("\nhybrid validation cycle on the same engine (median of cycles):")
     for r in rows:
@@ -489,11 +554,14 @@ def main() -> None:
     a.add_argument("--requests", type=int, default=512)
     a.add_argument("--rounds", type=int, default=10)
     a.add_argument("--mem", type=float, default=0.3)
+    a.add_argument("--profile", action="store_true", help="also profile one round (cProfile)")
     w = sub.add_parser("weightsync")
     w.add_argument("--shapes", nargs="+", default=["1.5b", "7b"])
     w.add_argument("--syncs", type=int, default=5)
     w.add_argument("--warmup", type=int, default=2)
     w.add_argument("--cycles", type=int, default=3)
+    w.add_argument("--bucket-mb", type=int, default=0, help="bucket size (0: the backend's)")
+    w.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     w.add_argument("--mem", type=float, default=0.35)
     args = ap.parse_args()
     asyncio.run(

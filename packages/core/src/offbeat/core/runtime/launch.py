@@ -198,7 +198,9 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
     rt = cfg.runtime
     if trainer_in_driver(cfg):
         engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
-        manager = CheckpointEngineManager(rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s)
+        manager = CheckpointEngineManager(
+            rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s, release_kv=rt.sync_release_kv
+        )
         return TrainerSide(engine, manager)
     if pools is None or "trainer" not in pools.groups:
         raise ValueError("start_trainer: the trainer runs as a worker group and needs its pool")
@@ -214,6 +216,7 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
     try:
         manager = GroupCheckpointEngine(
             group, rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s,
+            release_kv=rt.sync_release_kv,
             backend_options=group_backend_options(rt.ckpt_backend, group, cfg.resources.device),
         )  # fmt: skip
         for role in separate_groups(cfg):

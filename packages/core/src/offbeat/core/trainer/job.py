@@ -91,6 +91,10 @@ class RuntimeConfig:
     max_concurrent_groups: int = 32  # prompt groups generated at once
     ckpt_backend: str = "shm"  # a name in offbeat.ckpt_engine.backends()
     sync_timeout_s: float = 300.0
+    # Release each replica's KV cache around a weight sync's transfer (false: keep it; the
+    # transfer then needs no memory on the replica's side beyond what its backend maps,
+    # as with cuda_ipc into vLLM's direct-copy path).
+    sync_release_kv: bool = True
     stall_timeout_s: float = 900.0  # no group finished this long while training waits: fail
     # Stop the run when this many train batches' worth of prompt groups in a row fail
     # (reward or engine errors) with none finishing: the rollout has nothing to train on.
