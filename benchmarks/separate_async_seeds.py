@@ -77,9 +77,29 @@ def run_one(overrides: list[str]) -> dict:
     }
 
 
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
+    for s, r in results.items():
+        ax.plot([v for v, _ in r["val"]], [x for _, x in r["val"]], marker="o", ms=3,
+                label=f"seed {s} ({r['wall_s']:.0f} s)")  # fmt: skip
+    ax.axhline(0.8, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="weight version (global step)", ylabel="validation reward (greedy, 64)",
+           ylim=(0, 1), title="separate_async default job")  # fmt: skip
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--plot", default="", help="write the seeds' validation curves to this PNG")
     args, extra = ap.parse_known_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     print(
@@ -100,6 +120,8 @@ def main() -> None:
             flush=True,
         )
     finals = [r["val"][-1][1] for r in results.values()]
+    if args.plot:
+        plot(results, args.plot)
     print(
         "\n| seed | version 0 | final | best | wall (s) | replicas_ready (s) | load before -> after |"
     )

@@ -105,7 +105,7 @@ def test_wants_warm_start(path, enabled, steps, want):
 
 def test_own_model_is_not_warm_started_unless_asked(model_dir, data):
     cfg = job(data, f"model.path={model_dir}")
-    assert cfg.warm_start.steps == 60  # the recipe's, meant for the tiny model
+    assert cfg.warm_start.steps == 150  # the recipe's, meant for the tiny model
     p = prepare(cfg)
     assert p.model_dir == model_dir and p.cfg.model.path == str(model_dir)
     assert any("no warm start" in n for n in p.notes)
