@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.ti
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
-from offbeat.core.tasks import make_rows, write_parquet  # noqa: E402
+from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet  # noqa: E402
 from offbeat.core.trainer import CheckpointManager  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
     listening_addresses,
@@ -269,6 +269,23 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
     return JobHooks(wrap_agent=Holding), held, waited
 
 
+def draws(monkeypatch) -> list[tuple[int, int]]:
+    """(position in the data order, dataset row index) of every prompt submitted from now
+    on, by any run."""
+    from offbeat.core.buffer.replay_buffer import ReplayBuffer
+
+    drawn: list[tuple[int, int]] = []
+    real_submit = ReplayBuffer.submit
+
+    def submit(self, prompts, positions=None):
+        groups = real_submit(self, prompts, positions)
+        drawn.extend((self.prompts.position_of(g.uid), g.prompt["index"]) for g in groups)
+        return groups
+
+    monkeypatch.setattr(ReplayBuffer, "submit", submit)
+    return drawn
+
+
 def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     tmp, prepared, servers = world
     start = asyncio.run(servers["rollout-0"].refresh())
@@ -286,11 +303,14 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
         return path
 
     monkeypatch.setattr(CheckpointManager, "save", save_then_die)
+    drawn = draws(monkeypatch)
     with pytest.raises(Killed):
         run(tmp, prepared, servers, cfg, hooks=hooks)
     monkeypatch.setattr(CheckpointManager, "save", real_save)
+    killed_draws = len(drawn)
     ckpts = CheckpointManager(cfg.trainer.checkpoint_dir)
     assert [s for s, _ in ckpts.complete()] == [1, 2]
+    saved = torch.load(ckpts.latest() / "trainer_state.pt", weights_only=False)["buffer"]
     assert asyncio.run(servers["rollout-0"].refresh()) == start + 2
 
     resumed = config(
@@ -327,7 +347,19 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     refills = [r["buffer/submitted_total"] - (r["step"] + ahead) * per_batch for r in rows]
     gone = [r["buffer/evicted_total"] + r["buffer/failed_total"] for r in rows]
     assert refills == gone and refills[-1] == counts["evicted"] > 0, (refills, gone)
-    check_accounting(trainer)
+    check_accounting(trainer)  # and the prompt ledger (none duplicated, none lost)
+    # The data order across the kill: every position drawn, by either run, holds the row
+    # an uninterrupted sampler hands out there; the resumed run draws on from the
+    # checkpoint's position, and re-issued the checkpoint's prompts in flight once each.
+    prompts = summary["prompts"]
+    assert prompts["resumes"] == 1 and prompts["reissued"] == len(saved["reissue"])
+    assert prompts["drawn"] == counts["submitted"] == prompts["next_position"]
+    stream = PromptDataLoader(cfg.data.train_files, seed=cfg.data.seed)
+    order = [r["index"] for r in stream.next(prompts["drawn"])]
+    assert all(order[p] == index for p, index in drawn), drawn
+    again = [p for p, _ in drawn[killed_draws:]]  # the resumed run's, from the checkpoint on
+    assert again == list(range(saved["prompts"]["next_position"], prompts["next_position"]))
+    assert prompts["trained"] == 3 * per_batch == len(set(trainer.trained_uids))
 
 
 def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypatch):
