@@ -23,7 +23,7 @@ from trainer_fakes import FakeEngine, Harness
 
 from offbeat.core.buffer import PromptDuplicated
 from offbeat.core.models import build_tiny_model
-from offbeat.core.tasks import make_rows
+from offbeat.core.tasks import PromptDataLoader, make_rows
 from offbeat.core.train import FSDP2Config, FSDP2TrainEngine, OptimConfig, PPOLoss, PPOLossConfig
 
 ROWS = 7  # a small dataset: the runs cross epochs, and the kill is mid-epoch
@@ -149,6 +149,68 @@ async def test_separate_async_killed_mid_step_resumes_the_data_order_and_loses_n
     ]
     assert by_then == saved_trained
     assert h2.train_rows()[-1]["prompts/trained"] == s["trained"]
+
+
+# A run in a process of its own: the fakes' harness, slowed so a step takes a while.
+_CHILD = """
+import asyncio, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from trainer_fakes import Harness
+from offbeat.core.tasks import PromptDataLoader, make_rows
+h = Harness(Path(sys.argv[1]), rows=make_rows("reverse", %d, seed=0), total_training_steps=%d,
+            save_freq=1, tick_s=0.01)
+asyncio.run(h.run())
+"""
+
+
+async def test_a_run_sigkilled_mid_run_resumes_with_no_prompt_lost_or_duplicated(tmp_path):
+    """A real kill: the run's process is SIGKILLed as soon as its step-KILL_STEP - 1
+    checkpoint is complete (so mid-step or mid-save), then resumed here. The resumed
+    run's ledger accounts every position once and its draws follow the sampler's order."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tmp_path.mkdir(exist_ok=True)
+    code = _CHILD % (ROWS, STEPS)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    marker = tmp_path / "ckpt" / f"step_{KILL_STEP - 1:08d}" / "COMPLETE"
+    deadline = time.monotonic() + 90
+    try:
+        while not marker.exists():
+            assert child.poll() is None, child.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the child never reached its checkpoint"
+            await asyncio.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(30)
+        child.stderr.close()
+    assert child.returncode == -signal.SIGKILL
+
+    h = harness(tmp_path, resume=True)
+    saved = torch.load(h.checkpoints.latest() / "trainer_state.pt", weights_only=False)
+    # The checkpoint resumed from: mid-epoch, prompts in flight.
+    assert 0 < saved["dataloader"]["index"] < ROWS and saved["dataloader"]["epoch"] >= 1
+    assert any(t[2] == "in_flight" for t in saved["buffer"]["prompts"]["records"])
+    drawn = recording(h)
+    summary = await h.run()
+    assert summary["steps"] == STEPS
+    s = summary["prompts"]
+    assert s["resumes"] == 1 and s["first_position"] == 0
+    assert s["trained"] == STEPS * h.settings.train_batch_size
+    assert s["drawn"] == s["trained"] + s["evicted"] + s["failed"] + s["in_flight"]
+    h.buffer.core.prompts.check(set(h.buffer.core.live_uids()))
+    assert [p for p, _ in drawn] == list(
+        range(saved["buffer"]["prompts"]["next_position"], s["next_position"])
+    )
+    stream = PromptDataLoader(h.tmp / "train.parquet", seed=0)
+    order = [r["index"] for r in stream.next(s["next_position"])]
+    assert all(order[p] == index for p, index in drawn)
 
 
 async def test_a_resume_whose_sampler_is_not_restored_stops_on_a_duplicated_prompt(
