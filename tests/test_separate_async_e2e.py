@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.ti
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
-from offbeat.core.tasks import make_rows, write_parquet  # noqa: E402
+from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet  # noqa: E402
 from offbeat.core.trainer import CheckpointManager  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
     listening_addresses,
@@ -214,7 +214,7 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
     and trained at span 2, so a run evicts nothing). A checkpoint before the run's last
     step waits for the released ones to finish, so it holds them finished at their
     submission step (a group still generating is saved as a prompt to re-issue,
-    re-submitted at the restored step). Returns (JobHooks for the run, the uids of the
+    re-submitted at its own submission step). Returns (JobHooks for the run, the uids of the
     stragglers held, the seconds each such checkpoint waited)."""
     import time
 
@@ -274,6 +274,23 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
     return JobHooks(wrap_agent=Holding), held, waited
 
 
+def draws(monkeypatch) -> list[tuple[int, int]]:
+    """(position in the data order, dataset row index) of every prompt submitted from now
+    on, by any run."""
+    from offbeat.core.buffer.replay_buffer import ReplayBuffer
+
+    drawn: list[tuple[int, int]] = []
+    real_submit = ReplayBuffer.submit
+
+    def submit(self, prompts, positions=None):
+        groups = real_submit(self, prompts, positions)
+        drawn.extend((self.prompts.position_of(g.uid), g.prompt["index"]) for g in groups)
+        return groups
+
+    monkeypatch.setattr(ReplayBuffer, "submit", submit)
+    return drawn
+
+
 def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     tmp, prepared, servers = world
     start = asyncio.run(servers["rollout-0"].refresh())
@@ -291,11 +308,14 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
         return path
 
     monkeypatch.setattr(CheckpointManager, "save", save_then_die)
+    drawn = draws(monkeypatch)
     with pytest.raises(Killed):
         run(tmp, prepared, servers, cfg, hooks=hooks)
     monkeypatch.setattr(CheckpointManager, "save", real_save)
+    killed_draws = len(drawn)
     ckpts = CheckpointManager(cfg.trainer.checkpoint_dir)
     assert [s for s, _ in ckpts.complete()] == [1, 2]
+    saved = torch.load(ckpts.latest() / "trainer_state.pt", weights_only=False)["buffer"]
     assert asyncio.run(servers["rollout-0"].refresh()) == start + 2
 
     resumed = config(
@@ -332,6 +352,76 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     refills = [r["buffer/submitted_total"] - (r["step"] + ahead) * per_batch for r in rows]
     gone = [r["buffer/evicted_total"] + r["buffer/failed_total"] for r in rows]
     assert refills == gone and refills[-1] == counts["evicted"] > 0, (refills, gone)
+    check_accounting(trainer)  # and the prompt ledger (none duplicated, none lost)
+    # The data order across the kill: every position drawn, by either run, holds the row
+    # an uninterrupted sampler hands out there; the resumed run draws on from the
+    # checkpoint's position, and re-issued the checkpoint's prompts in flight once each.
+    prompts = summary["prompts"]
+    assert prompts["resumes"] == 1 and prompts["reissued"] == len(saved["reissue"])
+    assert prompts["drawn"] == counts["submitted"] == prompts["next_position"]
+    stream = PromptDataLoader(cfg.data.train_files, seed=cfg.data.seed)
+    order = [r["index"] for r in stream.next(prompts["drawn"])]
+    assert all(order[p] == index for p, index in drawn), drawn
+    again = [p for p, _ in drawn[killed_draws:]]  # the resumed run's, from the checkpoint on
+    assert again == list(range(saved["prompts"]["next_position"], prompts["next_position"]))
+    assert prompts["trained"] == 3 * per_batch == len(set(trainer.trained_uids))
+
+
+def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypatch):
+    """trainer.mode=sync with per-prompt seeds (rollout.seed): a run killed at step 3
+    after its update and before its weight sync (checkpoints at 1 and 2; nothing is in
+    flight between sync steps), resumed from step 2, samples step 3's batch again token
+    for token on the real vLLM-cpu replicas and ends step 3 on the killed run's weights,
+    bit for bit; its prompt ledger counts step 3's prompts trained once."""
+    from offbeat.core.trainer.job import JobHooks
+    from offbeat.core.trainer.replicas import ReplicaPool
+
+    tmp, prepared, servers = world
+    start = asyncio.run(servers["rollout-0"].refresh())
+    steps = ("trainer.mode=sync", "rollout.seed=7", "trainer.save_freq=1")
+    batches: list[dict] = []  # each step's train batch, both runs
+    weights: list[dict] = []  # the weights each run's step 3 synced, or would have
+    real_sync = ReplicaPool.sync
+
+    def keep_batch(batch, data):
+        keep = ("input_ids", "response_mask", "rollout_log_probs", "advantages")
+        batches.append({k: data[k].clone() for k in keep} | {"uids": list(batch.group_uids)})
+        return {}
+
+    async def sync(self, named_tensors, version):
+        if version == start + 3:
+            weights.append({n: t.detach().clone() for n, t in named_tensors()})
+            if len(weights) == 1:
+                raise Killed("killed after step 3's update, before its weight sync")
+        return await real_sync(self, named_tensors, version)
+
+    monkeypatch.setattr(ReplicaPool, "sync", sync)
+    hooks = JobHooks(batch_hook=keep_batch)
+    cfg = config(tmp, "sync_resume", "trainer.total_training_steps=4", *steps)
+    with pytest.raises(Killed):
+        run(tmp, prepared, servers, cfg, hooks=hooks)
+    assert [s for s, _ in CheckpointManager(cfg.trainer.checkpoint_dir).complete()] == [1, 2]
+    assert asyncio.run(servers["rollout-0"].refresh()) == start + 2
+    assert len(batches) == 3
+    resumed = config(
+        tmp, "sync_resume", "trainer.total_training_steps=4", *steps, "trainer.resume=true"
+    )
+    summary = run(tmp, prepared, servers, resumed, hooks=hooks)
+    trainer = summary["trainer"]
+    assert summary["steps"] == 4 and summary["version"] == start + 4
+    killed, again = batches[2], batches[3]  # step 3 of each run
+    assert again["uids"] == killed["uids"]  # the same prompts, in the same order
+    for key in ("input_ids", "response_mask", "rollout_log_probs", "advantages"):
+        torch.testing.assert_close(again[key], killed[key], atol=0, rtol=0, msg=key)
+    assert len(weights) == 2 and sorted(weights[0]) == sorted(weights[1])
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, atol=0, rtol=0, msg=name)
+    prompts = summary["prompts"]
+    assert prompts["resumes"] == 1 and prompts["reissued"] == 0 and prompts["in_flight"] == 0
+    assert prompts["trained"] == 4 * cfg.data.train_batch_size == prompts["drawn"]
+    led = trainer.buffer.core.prompts
+    at_3 = [r.uid for r in led.records() if r.status == "trained" and r.left_step == 3]
+    assert sorted(at_3) == sorted(set(killed["uids"]))
     check_accounting(trainer)
 
 

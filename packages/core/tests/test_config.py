@@ -206,6 +206,13 @@ def test_mini_batch_must_split_over_data_parallel_ranks():
     assert "3 data-parallel" in problems_of(cfg)["actor.ppo_mini_batch_size"]
 
 
+def test_rollout_seed_is_null_or_an_int_at_least_0():
+    validate(good(rollout__seed=0))
+    validate(good())  # null: the engine's own RNG
+    for bad in (-1, "7", 1.5):
+        assert "must be an int >= 0" in problems_of(good(rollout__seed=bad))["rollout.seed"]
+
+
 def test_unknown_registry_names_list_registered_ones():
     cfg = good(actor__engine="deepspeed", rollout__engine="trt", algorithm__loss_agg_mode="x")
     cfg.resources.device = "tpu"

@@ -217,9 +217,9 @@ class RecordingBuffer(AsyncReplayBuffer):
         self.trained_spans: dict[str, int] = {}
         self.evicted_spans: dict[str, int] = {}
 
-    async def submit(self, prompts):
+    async def submit(self, prompts, positions=None):
         self.submitted_at[self.core.current_step] += len(prompts)
-        return await super().submit(prompts)
+        return await super().submit(prompts, positions)
 
     async def sample(self, num_groups, timeout=None):
         batch, evicted = await super().sample(num_groups, timeout)

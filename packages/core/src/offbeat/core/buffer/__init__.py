@@ -2,6 +2,12 @@
 
 from offbeat.core.buffer.actor import AsyncReplayBuffer, make_buffer_actor
 from offbeat.core.buffer.group import GroupStatus, PromptGroup
+from offbeat.core.buffer.prompt_ledger import (
+    PromptAccountingError,
+    PromptDuplicated,
+    PromptLedger,
+    PromptLost,
+)
 from offbeat.core.buffer.replay_buffer import (
     STRATEGIES,
     BufferConfig,
@@ -14,7 +20,11 @@ __all__ = [  # items, the pure core, blocking shells
     "AsyncReplayBuffer",
     "BufferConfig",
     "GroupStatus",
+    "PromptAccountingError",
+    "PromptDuplicated",
     "PromptGroup",
+    "PromptLedger",
+    "PromptLost",
     "ReplayBuffer",
     "drop_depth_message",
     "make_buffer_actor",

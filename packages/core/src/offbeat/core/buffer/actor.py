@@ -42,8 +42,10 @@ class AsyncReplayBuffer:
         await self._wait_until(lambda: self.core.free_slots() > 0, timeout)
         return self.core.free_slots()
 
-    async def submit(self, prompts: Sequence[dict[str, Any]]) -> list[PromptGroup]:
-        groups = self.core.submit(prompts)
+    async def submit(
+        self, prompts: Sequence[dict[str, Any]], positions: Sequence[int] | None = None
+    ) -> list[PromptGroup]:
+        groups = self.core.submit(prompts, positions)
         await self._notify()
         return groups
 
@@ -59,8 +61,8 @@ class AsyncReplayBuffer:
         self.core.finish(uid, trajectories)
         await self._notify()
 
-    async def fail(self, uid: str, error: str) -> None:
-        self.core.fail(uid, error)
+    async def fail(self, uid: str, error: str, reason: str = "error") -> None:
+        self.core.fail(uid, error, reason)
         await self._notify()
 
     # ---- trainer side --------------------------------------------------------------------

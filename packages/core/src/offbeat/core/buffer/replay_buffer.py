@@ -16,7 +16,9 @@ Rules (DESIGN.md §3):
   slot reopens, so exactly as many new prompts are admitted as were evicted;
 - `wait`: sampling is blocked while an unfinished group has reached the threshold;
 - failed groups (reward function or engine error) are evicted, counted and refilled.
-Every submitted prompt ends trained exactly once, evicted, failed, or is still in flight.
+Every submitted prompt ends trained exactly once, evicted, failed, or is still in flight;
+`prompts` (a `PromptLedger`) keeps that account by position of the data order, and is
+saved and restored with the buffer, so it holds across resumes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from offbeat.core.buffer.group import GroupStatus, PromptGroup
+from offbeat.core.buffer.prompt_ledger import EVICTED, FAILED, TRAINED, PromptLedger
 from offbeat.core.data import Trajectory
 
 STRATEGIES = ("drop", "wait")
@@ -96,6 +99,7 @@ class ReplayBuffer:
         self._evicted_total = 0
         self._failed_total = 0
         self._trained_total = 0
+        self.prompts = PromptLedger()  # position of the data order -> how it stands
 
     # ---- steps ---------------------------------------------------------------------------
     @property
@@ -119,18 +123,26 @@ class ReplayBuffer:
         cap = self.config.depth * self.config.groups_per_step
         return max(0, cap - self._taken_this_step - len(self._groups))
 
-    def submit(self, prompts: Sequence[dict[str, Any]]) -> list[PromptGroup]:
-        """Admit new prompts as pending groups at the current step."""
+    def submit(
+        self, prompts: Sequence[dict[str, Any]], positions: Sequence[int] | None = None
+    ) -> list[PromptGroup]:
+        """Admit new prompts as pending groups at the current step. `positions`: theirs in
+        the data order (None: the ones after the last prompt drawn)."""
         if len(prompts) > self.free_slots():
             raise ValueError(
                 f"submit: {len(prompts)} prompts but only {self.free_slots()} free slots "
                 f"at step {self._step}"
             )
+        if positions is None:
+            positions = range(self.prompts.next_position, self.prompts.next_position + len(prompts))
+        if len(positions) != len(prompts):
+            raise ValueError(f"submit: {len(prompts)} prompts but {len(positions)} positions")
         out = []
-        for prompt in prompts:
+        for prompt, position in zip(prompts, positions, strict=True):
             seq = self._next_seq
-            self._next_seq += 1
             group = PromptGroup(uid=f"g{seq}", seq=seq, prompt=prompt, submission_step=self._step)
+            self.prompts.draw(int(position), group.uid, self._step)  # raises on a duplicate
+            self._next_seq += 1
             self._groups[group.uid] = group
             out.append(group)
         return out
@@ -154,9 +166,11 @@ class ReplayBuffer:
         group.status = GroupStatus.FINISHED
         return group
 
-    def fail(self, uid: str, error: str) -> PromptGroup:
-        """A reward function or the engine raised: evict the group and count it."""
+    def fail(self, uid: str, error: str, reason: str = "error") -> PromptGroup:
+        """A reward function or the engine raised: evict the group and count it, with
+        the agent loop's `reason` (bad_row, reward_timeout, engine_error, ...)."""
         group = self._live(uid, GroupStatus.PENDING, GroupStatus.RUNNING)
+        self.prompts.left(uid, FAILED, self._step, reason)
         group.status = GroupStatus.FAILED
         group.error = error
         del self._groups[uid]
@@ -176,6 +190,7 @@ class ReplayBuffer:
             if g.status is GroupStatus.FINISHED and g.span(self._step) > limit
         ]
         for g in stale:
+            self.prompts.left(g.uid, EVICTED, self._step, f"span {g.span(self._step)} > {limit}")
             del self._groups[g.uid]
             self._ledger[g.uid] = "evicted"
         self._evicted_total += len(stale)
@@ -217,9 +232,10 @@ class ReplayBuffer:
             raise RuntimeError(f"sample: {len(finished)} finished groups, need {num_groups}")
         batch = finished[:num_groups]
         for g in batch:
-            del self._groups[g.uid]
             if g.uid in self._ledger:  # by construction impossible; a cheap guard
                 raise AssertionError(f"group {g.uid} left the buffer twice")
+            self.prompts.left(g.uid, TRAINED, self._step)
+            del self._groups[g.uid]
             self._ledger[g.uid] = "trained"
         self._trained_total += len(batch)
         self._taken_this_step += len(batch)
@@ -257,11 +273,13 @@ class ReplayBuffer:
             raise AssertionError("a group is both live and gone")
         if len(self._ledger) + len(self._groups) != c["submitted"]:
             raise AssertionError(f"ledger size mismatch: {c}")
+        self.prompts.check(set(self._groups))  # by position of the data order
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Finished groups are kept; pending and running ones are saved as prompts to
-        re-issue (their partial samples are discarded)."""
+        re-issue (their partial samples are discarded) with their submission steps; the
+        prompt ledger goes with them."""
         live = sorted(self._groups.values(), key=lambda g: g.seq)
         return {
             "step": self._step,
@@ -269,11 +287,17 @@ class ReplayBuffer:
             "next_seq": self._next_seq,
             "finished": [g.to_dict() for g in live if g.status is GroupStatus.FINISHED],
             "reissue": [
-                {"uid": g.uid, "seq": g.seq, "prompt": g.prompt}
+                {
+                    "uid": g.uid,
+                    "seq": g.seq,
+                    "prompt": g.prompt,
+                    "submission_step": g.submission_step,
+                }
                 for g in live
                 if g.status is not GroupStatus.FINISHED
             ],
             "ledger": dict(self._ledger),
+            "prompts": self.prompts.state_dict(),
             "totals": {
                 "evicted": self._evicted_total,
                 "failed": self._failed_total,
@@ -282,8 +306,10 @@ class ReplayBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; re-issued prompts become pending again, submitted at the restored
-        step (their generation restarts on the restored weights)."""
+        """Restore; re-issued prompts become pending again (their generation restarts on
+        the restored weights), each exactly once, keeping its submission step (so the
+        span rules judge it as the uninterrupted run would; a checkpoint without one: the
+        restored step). They stay in flight in the prompt ledger."""
         self._step = int(state["step"])
         self._taken_this_step = int(state["taken_this_step"])
         self._next_seq = int(state["next_seq"])
@@ -292,11 +318,16 @@ class ReplayBuffer:
             g = PromptGroup.from_dict(d)
             self._groups[g.uid] = g
         for d in state["reissue"]:
-            g = PromptGroup(
-                uid=d["uid"], seq=d["seq"], prompt=d["prompt"], submission_step=self._step
-            )
+            step = int(d.get("submission_step", self._step))
+            g = PromptGroup(uid=d["uid"], seq=d["seq"], prompt=d["prompt"], submission_step=step)
             self._groups[g.uid] = g
         self._ledger = dict(state["ledger"])
+        self.prompts = PromptLedger(self.prompts.dataset_size)
+        if "prompts" in state:
+            self.prompts.load_state_dict(state["prompts"])
+        else:  # a checkpoint from before the prompt ledger: positions are submission order
+            self.prompts.load_state_dict(_ledger_of(state, self._ledger))
+        self.prompts.reissued += len(state["reissue"])
         self._evicted_total = int(state["totals"]["evicted"])
         self._failed_total = int(state["totals"]["failed"])
         self._trained_total = int(state["totals"]["trained"])
@@ -312,3 +343,13 @@ class ReplayBuffer:
                 f"group {uid!r} is {group.status.value}; expected {[s.value for s in allowed]}"
             )
         return group
+
+
+def _ledger_of(state: dict[str, Any], gone: dict[str, str]) -> dict[str, Any]:
+    """A prompt ledger for a buffer state saved without one: group `g<seq>` was drawn at
+    position `seq`; the groups that left the buffer left as its ledger says."""
+    live = [d["uid"] for d in state["finished"]] + [d["uid"] for d in state["reissue"]]
+    how = {**gone, **dict.fromkeys(live, "in_flight")}
+    records = [(int(uid[1:]), uid, status, 0, 0, "") for uid, status in how.items()]
+    n = int(state["next_seq"])
+    return {"records": sorted(records), "start": 0, "next_position": n, "resumes": 0}

@@ -176,6 +176,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Per-prompt sampling seeds: the group at position p of the data order is seeded from
+    # (seed, p), its sample i with that + i, so a resumed run samples each prompt as an
+    # uninterrupted one would. null: the engine's own sampling RNG (batch-order dependent).
+    seed: int | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as is
     record: RecordConfig = field(default_factory=RecordConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)

@@ -278,6 +278,8 @@ def _rollout(cfg: Any, p: Problems) -> None:
     p.require_number("rollout.temperature", ro.temperature, low=0.0)
     p.require_number("rollout.top_p", ro.top_p, low=0.0, high=1.0)
     p.require_int("rollout.top_k", ro.top_k, minimum=None)
+    if ro.seed is not None:
+        p.require_int("rollout.seed", ro.seed, minimum=0)
     p.require_int("data.max_prompt_length", cfg.data.max_prompt_length)
 
 

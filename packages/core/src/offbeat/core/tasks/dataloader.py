@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,12 @@ class PromptDataLoader:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
+    @property
+    def stream_position(self) -> int:
+        """How many rows the stream handed out: the next row's position in the data order
+        (epoch × dataset size + index in the epoch's permutation)."""
+        return self.epoch * len(self.rows) + self.index
+
     def next(self, n: int) -> list[dict[str, Any]]:
         """The next `n` rows (crossing epoch boundaries as needed)."""
         out = []
@@ -102,10 +109,20 @@ class PromptDataLoader:
             self.index += 1
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": len(self.rows)}
+    def state_dict(self) -> dict[str, Any]:
+        """The position and the shuffle's seed; the permutation of an epoch is drawn from
+        (seed, epoch), so no RNG state is needed. `order_crc32` fingerprints the current
+        epoch's permutation: a resume that would draw another order is refused."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "size": len(self.rows),
+            "shuffle": self.shuffle,
+            "order_crc32": _crc(self._order),
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("size", len(self.rows)) != len(self.rows):
             raise ValueError(
                 f"dataloader state is for {state['size']} rows but the dataset has "
@@ -115,3 +132,13 @@ class PromptDataLoader:
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])
         self._order = self._permutation(self.epoch)
+        if "order_crc32" in state and _crc(self._order) != state["order_crc32"]:
+            raise ValueError(
+                f"dataloader state: epoch {self.epoch}'s order (seed {self.seed}, shuffle "
+                f"{self.shuffle}) is not the checkpoint's (shuffle {state.get('shuffle')}): "
+                "resume with the data.shuffle the run was saved with"
+            )
+
+
+def _crc(order: list[int]) -> int:
+    return zlib.crc32(",".join(map(str, order)).encode())

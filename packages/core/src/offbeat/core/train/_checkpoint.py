@@ -1,6 +1,6 @@
 """Sharded, atomic save/load of a sharded model and its optimizer with
 torch.distributed.checkpoint (DCP), plus a small picklable extra state (LR schedule,
-update count).
+update count) and each rank's RNG states (torch, CUDA, Python, NumPy), one file per rank.
 
 Knows nothing about the trainer's step checkpoints, dataloaders or replay buffers. Every
 rank writes its own shards into `<path>.tmp`; rank 0 then renames it to `<path>`, so a
@@ -9,10 +9,13 @@ reader only ever sees a complete checkpoint (the marker file is written last).
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 import shutil
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -26,6 +29,30 @@ from torch.distributed.checkpoint.state_dict import (
 
 EXTRA_FILE = "engine_state.pt"
 _HAS_OPTIM = "has_optimizer_state"
+_RNG_FILE = "rng_rank{rank}.pt"
+
+log = logging.getLogger(__name__)
+
+
+def rank_rng_state() -> dict[str, Any]:
+    """This process's RNG states: torch (CPU, and every CUDA device when there is one),
+    Python's `random`, NumPy's global generator."""
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rank_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _fsync_dir(path: str) -> None:
@@ -61,6 +88,7 @@ def save(
     else:
         state = {"model": get_model_state_dict(model)}
     dcp.save(state, checkpoint_id=tmp, process_group=group)
+    torch.save(rank_rng_state(), os.path.join(tmp, _RNG_FILE.format(rank=rank)))
     dist.barrier(group=group)
     if rank == 0:
         extra_path = os.path.join(tmp, EXTRA_FILE)
@@ -115,4 +143,17 @@ def load(
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=path, process_group=group)
         set_model_state_dict(model, state["model"])
+    _load_rank_rng(path, dist.get_rank(group))
     return extra
+
+
+def _load_rank_rng(path: str, rank: int) -> None:
+    """Restore this rank's RNG states, when the checkpoint holds them (one saved with as
+    many ranks or more, after RNG states were saved)."""
+    rng_path = os.path.join(path, _RNG_FILE.format(rank=rank))
+    if not os.path.isfile(rng_path):
+        log.warning(
+            "checkpoint %s holds no RNG state for rank %d: its RNG starts afresh", path, rank
+        )
+        return
+    set_rank_rng_state(torch.load(rng_path, weights_only=False))

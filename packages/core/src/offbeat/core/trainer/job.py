@@ -661,6 +661,7 @@ async def run_with_replicas(
             max_consecutive_failures=rt.max_failed_batches * cfg.data.train_batch_size,
             limit_key=f"runtime.max_failed_batches={rt.max_failed_batches} × "
             f"data.train_batch_size={cfg.data.train_batch_size}",
+            sample_seed=cfg.rollout.seed,
         )  # fmt: skip
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]

@@ -11,6 +11,11 @@ A failed group is refilled, so a rollout whose every group fails would spin fore
 `check()` raises `RolloutFailing`, naming the data source and the first error of the run
 of failures. Failed groups are counted by the reason the agent loop gave (`GroupFailed.
 reason`: bad_row, reward_timeout, ...): `failure_metrics()`, `failed/<reason>_total`.
+
+Each prompt is submitted with its position in the data order (the loader's
+`stream_position`), which the buffer's prompt ledger keeps. With `sample_seed` set, a
+group's requests are seeded from (sample_seed, position): the same prompt of the data
+order is sampled alike in a resumed run as in an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +113,7 @@ class RolloutDriver:
         max_concurrent_groups: int,
         max_consecutive_failures: int | None = None,
         limit_key: str = "max_consecutive_failures",
+        sample_seed: int | None = None,
     ) -> None:
         if max_concurrent_groups < 1:
             raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: must be >= 1")
@@ -122,6 +129,9 @@ class RolloutDriver:
         self.clock = BusyClock()
         self.max_consecutive_failures = max_consecutive_failures
         self.limit_key = limit_key
+        self.sample_seed = sample_seed
+        if (size := _size(loader)) is not None:
+            buffer.core.prompts.dataset_size = size
         self.tokens_generated = 0
         self.groups_finished = 0  # groups that can be trained: the rollout's progress
         self.groups_failed = 0
@@ -193,17 +203,35 @@ class RolloutDriver:
     async def _feed(self) -> None:
         while True:
             slots = await self.buffer.wait_for_slots()
-            await self.buffer.submit(self.loader.next(slots))
+            # No await between the draw and the submit: the two stay one snapshot.
+            start = getattr(self.loader, "stream_position", None)
+            rows = self.loader.next(slots)
+            positions = None if start is None else range(start, start + len(rows))
+            await self.buffer.submit(rows, positions)
+
+    def group_seed(self, uid: str) -> int | None:
+        """The seed of group `uid`'s first sample (sample i: + i), from its position in
+        the data order; None without `sample_seed`."""
+        position = self.buffer.core.prompts.position_of(uid)
+        if self.sample_seed is None or position is None:
+            return None
+        return zlib.crc32(f"{self.sample_seed}:{position}".encode()) & 0x3FFFFFFF
+
+    async def _sample(self, group: Any) -> list[Any]:
+        seed = self.group_seed(group.uid)
+        if seed is None:
+            return await self.agent.sample(group.uid, group.prompt, self.n)
+        return await self.agent.sample(group.uid, group.prompt, self.n, {"seed": seed})
 
     async def _work(self) -> None:
         while self.fatal is None:
             (group,) = await self.buffer.take_pending(1)
             self.clock.enter()
             try:
-                trajectories = await self.agent.sample(group.uid, group.prompt, self.n)
+                trajectories = await self._sample(group)
             except GroupFailed as e:
                 self._failed(group.uid, group.prompt, e)
-                await self.buffer.fail(group.uid, str(e))
+                await self.buffer.fail(group.uid, str(e), getattr(e, "reason", "error"))
                 continue
             finally:
                 self.clock.exit()
@@ -211,3 +239,10 @@ class RolloutDriver:
             self.groups_finished += 1
             self.failures = FailureRun()
             await self.buffer.finish(group.uid, trajectories)
+
+
+def _size(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -383,12 +383,14 @@ class Trainer:
             trace.deactivate(token)
         if s.save_freq == 0 and self.step >= start:
             await self._save()
-        self.buffer.core.check_accounting()
+        self.buffer.core.check_accounting()  # and the prompt ledger: none lost, none twice
+        self.tracker.event(f"{self.buffer.core.prompts.describe()}; none duplicated, none lost")
         return {
             "wall_s": time.perf_counter() - run_t0,
             "steps": self.step,
             "version": self.version,
             "counts": self.buffer.core.counts(),
+            "prompts": self.buffer.core.prompts.summary(),
             "val_history": self.val_history,
             "val_abandoned": self.val_abandoned,
         }
@@ -549,6 +551,7 @@ class Trainer:
             "perf/rollout_idle_frac": max(0.0, 1.0 - busy / step_s) if step_s > 0 else 0.0,
             "memory/trainer_peak_rss_gb": _peak_rss_gb(),
             **self.pool.counts(),
+            **self.buffer.core.prompts.metrics(),  # the data order's account, across resumes
         }
         metrics.update(agent_metrics([t for g in groups for t in g.trajectories]))
         for phase, secs in result.phase_s.items():
