@@ -11,6 +11,8 @@ A failed group is refilled, so a rollout whose every group fails would spin fore
 `check()` raises `RolloutFailing`, naming the data source and the first error of the run
 of failures. Failed groups are counted by the reason the agent loop gave (`GroupFailed.
 reason`: bad_row, reward_timeout, ...): `failure_metrics()`, `failed/<reason>_total`.
+Admissions and finished or failed groups are reported to the run's progress registry
+(stages "submission" and "buffer", `offbeat.core.progress`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from offbeat.core import progress
 from offbeat.core.buffer import AsyncReplayBuffer
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
 
@@ -193,7 +196,8 @@ class RolloutDriver:
     async def _feed(self) -> None:
         while True:
             slots = await self.buffer.wait_for_slots()
-            await self.buffer.submit(self.loader.next(slots))
+            await self.buffer.submit(prompts := self.loader.next(slots))
+            progress.advance("submission", n=len(prompts))
 
     async def _work(self) -> None:
         while self.fatal is None:
@@ -204,6 +208,7 @@ class RolloutDriver:
             except GroupFailed as e:
                 self._failed(group.uid, group.prompt, e)
                 await self.buffer.fail(group.uid, str(e))
+                progress.fail("buffer", error=f"group {group.uid} failed ({e.reason}): {e}")
                 continue
             finally:
                 self.clock.exit()
@@ -211,3 +216,4 @@ class RolloutDriver:
             self.groups_finished += 1
             self.failures = FailureRun()
             await self.buffer.finish(group.uid, trajectories)
+            progress.advance("buffer")
