@@ -103,7 +103,8 @@ def _describe(s: StageState, now: float) -> str:
     if s.in_flight and s.oldest_s is not None:
         what = f" ({s.oldest_detail})" if s.oldest_detail else ""
         parts.append(f"the oldest for {now - s.oldest_s:.1f} s{what}")
-    parts.append(f"{s.done} done, {s.failed} failed, last success {_ago(now, s.last_s)}")
+    last = f"last success {_ago(now, s.last_s)}" if s.done else "no success yet"
+    parts.append(f"{s.done} done, {s.failed} failed, {last}")
     if s.failing_since_s is not None:
         parts.append(f"failing for {now - s.failing_since_s:.1f} s: {s.last_error}")
     return f"{s.name}: " + "; ".join(parts)
@@ -129,7 +130,8 @@ def stall_report(snap: Snapshot, timeout_s: float, replicas: list[str] = ()) -> 
     phase = ", ".join(x for x in (snap.phase, doing) if x) or "not named"
     gen = {s.key: s for s in snap.stages if s.stage == "generation" and s.key is not None}
     per_replica = [
-        f"{sid}: {gen[sid].in_flight} (last answer {_ago(now, gen[sid].last_s)})"
+        f"{sid}: {gen[sid].in_flight} ("
+        + (f"last answer {_ago(now, gen[sid].last_s)})" if gen[sid].done else "no answer yet)")
         if sid in gen
         else f"{sid}: 0 (no call yet)"
         for sid in dict.fromkeys([*replicas, *gen])
