@@ -221,7 +221,7 @@ def rows_of(source: str, n: int = 64) -> list[dict]:
     return rows
 
 
-STALL_S = 1.0
+STALL_S = 2.0  # seconds: short, yet far above any gap of these fakes on a loaded machine
 
 
 async def run_until_stall(h: Harness) -> tuple[StallError, float]:
@@ -296,7 +296,7 @@ async def test_a_coroutine_that_blocks_the_event_loop_is_reported_from_the_watch
 
     async def blocking_reward(response, ground_truth, **_):
         if next(calls) == 0:
-            time.sleep(3 * STALL_S + 1)  # blocks the loop: no timeout can cut it
+            time.sleep(2 * STALL_S + 1)  # blocks the loop: no timeout can cut it
             seen.append(sorted((tmp_path / "logs" / "logs").glob("stall-*.txt")))
         return 1.0
 
@@ -314,8 +314,31 @@ async def test_a_coroutine_that_blocks_the_event_loop_is_reported_from_the_watch
 
 
 async def test_a_checkpoint_save_longer_than_the_timeout_does_not_trip_it(tmp_path):
-    engine = FakeEngine(save_s=2.5 * STALL_S)  # the buffer is full long before it ends
-    h = Harness(tmp_path, engine=engine, save_freq=1, stall_timeout_s=STALL_S)
+    engine = FakeEngine(save_s=1.5 * STALL_S)  # the buffer is full long before it ends
+    h = Harness(
+        tmp_path, engine=engine, save_freq=1, total_training_steps=2, stall_timeout_s=STALL_S
+    )
     summary = await h.run()
-    assert summary["steps"] == 3 and len(engine.saves) == 3
+    assert summary["steps"] == 2 and len(engine.saves) == 2
     assert not list((tmp_path / "logs" / "logs").glob("stall-*.txt"))
+
+
+class SwallowsOneCancel(FakeEngine):
+    """An async update that hangs and swallows the first cancellation, then hangs again."""
+
+    swallowed = 0
+
+    async def update(self, mini_batch):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.swallowed += 1
+        await asyncio.Event().wait()
+
+
+async def test_a_cancellation_swallowed_on_its_way_is_sent_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(StallWatchdog, "recancel_s", 0.5)
+    engine = SwallowsOneCancel()
+    h = Harness(tmp_path, engine=engine, stall_timeout_s=STALL_S)
+    err, _ = await run_until_stall(h)
+    assert err.stage == "update" and engine.swallowed == 1

@@ -48,6 +48,7 @@ STAGES = (
     "generation",  # server calls, keyed by replica id
     "reward",  # a group's reward calls
     "tool",  # a turn's tool calls
+    "teacher",  # a group's teacher scoring (distillation), keyed by teacher
     "buffer",  # groups finished (success) or failed into the buffer; batches taken
     "validation",  # validation prompts scored
     "old_log_prob",  # the trainer's old-policy log-probs

@@ -186,6 +186,8 @@ class StallWatchdog:
         self._loop_thread: int | None = None
         self._beat: float | None = None  # when the loop last ran the heartbeat callback
 
+    recancel_s = 5.0  # after tripping: how often the cancellation is sent again
+
     @property
     def enabled(self) -> bool:
         return self.timeout_s is not None
@@ -263,10 +265,7 @@ class StallWatchdog:
     def _watch(self) -> None:
         every = max(0.05, min(self.timeout_s / 10, 1.0))
         while not self._stop.wait(every):
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._heartbeat)
+            self._call_soon(self._heartbeat)
             try:
                 tripped = self.check()
             except Exception:  # a report that failed to build must not kill the thread
@@ -274,7 +273,23 @@ class StallWatchdog:
                 continue
             if tripped is not None:
                 self._trip(*tripped)
-                return
+                break
+        # Tripped: until the run raised the error (then it disarms), cancel again every
+        # few seconds, in case the cancellation was swallowed on its way (a
+        # `suppress(CancelledError)` around an await it landed in).
+        while not self._stop.wait(self.recancel_s):
+            self._call_soon(self._cancel_again)
+
+    def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(callback, *args)
+
+    def _cancel_again(self) -> None:
+        task = self._task
+        if self.error is not None and self._token is not None and task and not task.done():
+            task.cancel(f"stall watchdog: {self.error.stage}")
 
     def _trip(self, stage: str, report: str) -> None:
         path: Path | None = None
@@ -284,10 +299,7 @@ class StallWatchdog:
             report += f"\n(stack dump to {self.dump_dir} failed: {type(e).__name__}: {e})"
         where = f"\nstacks of every thread and asyncio task: {path}" if path else ""
         logger.error("%s%s", report, where)
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self._stop_run, stage, report, path)
+        self._call_soon(self._stop_run, stage, report, path)
 
     def _stop_run(self, stage: str, report: str, path: Path | None) -> None:
         """On the loop: the trainer's context, the error, and the trainer task's cancel."""
