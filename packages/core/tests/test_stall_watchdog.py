@@ -188,7 +188,13 @@ def test_an_exempt_phase_holds_it_and_its_end_restarts_the_count():
     clock.t += 9
     assert w.check() is None
     clock.t += 2
-    assert w.check()[0] == "submission"  # nothing in flight anywhere
+    assert w.check()[0] == "submission"  # nothing in flight anywhere, no trainer phase
+    ticket = p.push_phase("step 2")
+    stage, report = w.check()
+    assert stage == "trainer" and "the trainer is in none of its reported stages" in report
+    p.pop_phase(ticket)
+    ticket = p.push_phase("step 2: waiting for a batch of 4 prompt groups")
+    assert w.check()[0] == "submission"
 
 
 def test_the_stage_stuck_longest_is_named_and_ties_go_in_pipeline_order():

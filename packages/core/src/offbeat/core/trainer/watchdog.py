@@ -115,15 +115,22 @@ def stall_report(snap: Snapshot, timeout_s: float, replicas: list[str] = ()) -> 
     `replicas`: the replica ids the trainer knows (listed even with no call yet)."""
     now = snap.at_s
     stage = stalled_stage(snap)
-    name = stage.name if stage is not None else "submission"
     live = _last_live(snap)
     idle = now - live if live is not None else 0.0
+    idle_all = "no stage holds work in flight or fails"
     if stage is not None:
-        head = f"the stalled stage is {_describe(stage, now)}"
-    else:
+        name, head = stage.name, f"the stalled stage is {_describe(stage, now)}"
+    elif "waiting for the validation" in snap.phase:
+        name, head = "validation", f"the stalled stage is validation: {idle_all}"
+    elif "waiting for a batch" in snap.phase or not snap.phase:
+        name = "submission"
+        head = f"the stalled stage is submission: {idle_all} (no prompt group admitted)"
+    else:  # the trainer is busy outside its reported stages
+        name = "trainer"
         head = (
-            "the stalled stage is submission: no stage holds work in flight or fails (no "
-            "prompt group admitted, generated or scored)"
+            f"the stalled stage is the trainer: {idle_all}, and the trainer is in none of "
+            "its reported stages (it builds the batch, runs a batch hook, the critic or "
+            "the reference model)"
         )
     trainer = [s for s in snap.stages if s.stage in TRAINER_STAGES and s.in_flight]
     doing = "; ".join(f"in {s.name} ({s.oldest_detail or 'no detail'})" for s in trainer)
