@@ -335,13 +335,14 @@ def pytest_timeout_set_timer(item, settings):
     (no SIGALRM there) pytest-timeout's own thread method takes over."""
     if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
         return None
+    # The stall watchdog's dump too. Imported now: an import inside the handler allocates,
+    # and a garbage collection then could take a pending task nothing else holds.
+    from offbeat.core.stacks import format_stacks
 
     def on_timeout(signum, frame):
         __tracebackhide__ = True
         terminal = item.config.get_terminal_writer()
         terminal.sep("+", title=f"Timeout after {settings.timeout:g} s: {item.nodeid}")
-        from offbeat.core.stacks import format_stacks  # the stall watchdog's dump too
-
         terminal.write(format_stacks())
         terminal.sep("+", title="Timeout")
         pytest.fail(f"Timeout after {settings.timeout:g} s (stacks above)", pytrace=False)

@@ -32,7 +32,19 @@ def _tasks(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task]:
 
 
 def format_stacks() -> str:
-    """Every thread's stack and every pending asyncio task's stack, as text."""
+    """Every thread's stack and every pending asyncio task's stack, as text. The garbage
+    collector is off meanwhile: a pending task nothing else holds (only its loop's weak
+    set does) would otherwise be collected by the allocations of the dump itself."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _format_stacks()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _format_stacks() -> str:
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
     for ident, frame in list(sys._current_frames().items()):

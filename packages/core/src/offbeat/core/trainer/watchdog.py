@@ -20,8 +20,9 @@ with none of that, the watchdog trips:
    success since, the one stuck longest (`StageState.stuck_since`; ties in pipeline
    order, `progress.STAGES`), with the in-flight count per replica, the age of the oldest
    pending request and the trainer's phase. When the event loop itself has not run the
-   thread's heartbeat callback for half the timeout, the stage is "event_loop", and the
-   report shows where its thread is (a coroutine or callback that blocks it).
+   thread's heartbeat callback for half the timeout, nor a probe callback within a grace
+   (up to 5 s), the stage is "event_loop", and the report shows where its thread is (a
+   coroutine or callback that blocks it).
 2. From its own thread, it writes every thread's and every asyncio task's stack to
    `<dump_dir>/stall-<UTC time>-<pid>.txt` and logs the error, so both exist even when the
    event loop itself is blocked (a coroutine that never yields).
@@ -255,7 +256,8 @@ class StallWatchdog:
             return None
         replicas = self.replicas() if self.replicas is not None else []
         stage, report = stall_report(snap, self.timeout_s, list(replicas))
-        if self._beat is not None and snap.at_s - self._beat > self.timeout_s / 2:
+        stale = self._beat is not None and snap.at_s - self._beat > self.timeout_s / 2
+        if stale and self._loop_blocked():
             where = _thread_top(self._loop_thread)
             stage, report = (
                 "event_loop",
@@ -265,6 +267,13 @@ class StallWatchdog:
                 ),
             )
         return stage, report
+
+    def _loop_blocked(self) -> bool:
+        """True when the loop does not run a callback within a grace (a loop that only
+        lags behind, on a loaded machine, does)."""
+        ran = threading.Event()
+        self._call_soon(ran.set)
+        return not ran.wait(max(0.5, min(self.timeout_s / 4, 5.0)))
 
     def _heartbeat(self) -> None:
         self._beat = self.progress.clock()
