@@ -21,15 +21,12 @@ It imports nothing of the packages under test at module level (the Ray session u
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import threading
-import traceback
 from pathlib import Path
 
 import pytest
@@ -332,36 +329,15 @@ def pytest_sessionfinish(session, exitstatus):
 # ---- timeouts: every thread's and every asyncio task's stack, then fail the test ----------
 
 
-def format_stacks() -> str:
-    """Every thread's stack and every pending asyncio task's stack, as text."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    out = []
-    for ident, frame in sys._current_frames().items():
-        out.append(f"--- thread {names.get(ident, '<unknown>')} ({ident})\n")
-        out.append("".join(traceback.format_stack(frame)))
-    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)]
-    for loop in loops:
-        if loop.is_closed():
-            continue
-        try:
-            tasks = asyncio.all_tasks(loop)
-        except RuntimeError:  # the set changed under us: one more try
-            tasks = asyncio.all_tasks(loop)
-        for task in tasks:
-            out.append(f"--- asyncio task {task.get_name()} on {type(loop).__name__}\n")
-            for frame in task.get_stack():
-                out.append("".join(traceback.format_stack(frame, limit=1)))
-            coro = task.get_coro()
-            out.append(f"    coroutine: {getattr(coro, '__qualname__', coro)}\n")
-    return "".join(out)
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item, settings):
     """pytest-timeout's signal method with asyncio tasks in the dump. Off the main thread
     (no SIGALRM there) pytest-timeout's own thread method takes over."""
     if settings.method != "signal" or threading.current_thread() is not threading.main_thread():
         return None
+    # The stall watchdog's dump too. Imported now: an import inside the handler allocates,
+    # and a garbage collection then could take a pending task nothing else holds.
+    from offbeat.core.stacks import format_stacks
 
     def on_timeout(signum, frame):
         __tracebackhide__ = True

@@ -41,7 +41,7 @@ def test_invalid_config_names_the_key(override, key):
     [
         "runtime.max_failed_batches=0",
         "runtime.max_failed_batches=1.5",
-        "runtime.stall_timeout_s=-1",
+        "trainer.stall_timeout_s=-1",
     ],
 )
 def test_rollout_failure_limits_are_checked(override):
@@ -51,6 +51,20 @@ def test_rollout_failure_limits_are_checked(override):
     problems = {p.key: p for p in info.value.problems}
     assert key in problems, str(info.value)
     assert float(problems[key].value) == float(value)
+
+
+def test_stall_timeout_off_and_its_old_key():
+    for off in ("null", "0"):
+        _, cfg = load_recipe_config("separate_async", [f"trainer.stall_timeout_s={off}"])
+        assert not cfg.trainer.stall_timeout_s
+    _, cfg = load_recipe_config("separate_async", [])
+    assert cfg.trainer.stall_timeout_s == 600.0  # the documented default
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", ["trainer.stall_timeout_s=-1"])
+    assert "seconds > 0" in str(info.value) and "null / 0" in str(info.value)
+    with pytest.raises(ConfigError, match=r"runtime\.stall_timeout_s=900: moved: set "
+                       r"trainer\.stall_timeout_s instead"):  # fmt: skip
+        load_recipe_config("separate_async", ["runtime.stall_timeout_s=900"])
 
 
 def test_unknown_backend_lists_registered_ones():

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -563,6 +564,51 @@ def test_verl_format_dataset_trains_with_its_data_source_scorers(world):
     rows_logged = metric_rows(summary)
     assert len(rows_logged) == 2 and all(0.0 <= r["reward/mean"] <= 1.0 for r in rows_logged)
     check_accounting(trainer)
+
+
+def test_a_replica_that_stops_answering_is_named_by_the_stall_watchdog(world):
+    """The job's one replica stops answering (SIGSTOP on its vLLM engine-core process):
+    the stall watchdog stops the run within trainer.stall_timeout_s, naming generation on
+    that replica with its requests in flight and its weight version, and writes every
+    stack into the run's log directory. The engine is resumed after (SIGCONT) and serves
+    the next test."""
+    import ray
+
+    from offbeat.core.trainer.watchdog import StallError
+
+    tmp, prepared, servers = world
+    stall_s = 5.0
+    cfg = config(
+        tmp,
+        "replica_stopped",
+        "trainer.total_training_steps=2",
+        f"trainer.stall_timeout_s={stall_s}",
+        "runtime.replica_replace_attempts=0",
+    )
+    server = servers["rollout-0"]
+    version = asyncio.run(server.refresh())
+    tree = ray.get(server.handle.process_cpus.remote())
+    (engine,) = [pid for pid, (name, _) in tree.items() if "EngineCore" in name]
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        job = run_with_replicas(on_world(prepared, cfg), {"rollout-0": server})
+        with pytest.raises(StallError) as info:  # bounded: a regression fails, never hangs
+            asyncio.run(asyncio.wait_for(job, 240))
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    err = info.value
+    text = str(err)
+    assert err.stage == "generation[rollout-0]", text
+    assert re.search(r"the stalled stage is generation\[rollout-0\]: [1-9]\d* in flight", text)
+    assert re.search(r"oldest pending request: [\d.]+ s \([^)]+ on rollout-0\)", text)
+    assert "per replica: rollout-0: " in text and "(no answer yet)" in text
+    assert f"replica weight versions: rollout-0: {version}" in text
+    assert "trainer phase: step 1: waiting for a batch of 4 prompt groups" in text
+    assert err.stacks.parent == Path(cfg.trainer.log_dir).absolute() / "replica_stopped" / "logs"
+    assert "--- asyncio task rollout-worker-" in err.stacks.read_text()
+    # resumed, it answers again at the version it held
+    out = asyncio.run(server.generate("after-stop", [1, 2, 3], {"max_tokens": 2}))
+    assert len(out.token_ids) == 2 and asyncio.run(server.refresh()) == version
 
 
 def test_one_of_two_replicas_killed_mid_run(world):

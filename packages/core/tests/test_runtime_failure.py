@@ -19,6 +19,8 @@ from trainer_fakes import Harness, check_accounting
 
 from offbeat.core.models import build_tiny_model
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerRankFailed
+from offbeat.core.runtime.group import split_by_tokens
+from offbeat.core.trainer.watchdog import StallError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -35,6 +37,27 @@ class DiesAtStep(TrainerGroup):
             self.killed = True
             os.kill(self.pids[self.victim], signal.SIGKILL)
         return await super().update(mini_batch, temperature)
+
+
+class SkipsRankAtStep(TrainerGroup):
+    """At global step `at`, rank `absent` is never given its mini-batch: the other rank's
+    update waits in the step's first collective for a peer that never joins it."""
+
+    at, absent = 2, 1
+
+    async def update(self, mini_batch, temperature=None):
+        if self.step != self.at:
+            return await super().update(mini_batch, temperature)
+        parts = split_by_tokens(mini_batch["attention_mask"].sum(dim=1).tolist(), self.dp_size)
+        ranks = [r for r in range(self.dp_size) if r != self.absent]
+        refs = [
+            self.handles[r].update.remote(
+                {k: v.index_select(0, torch.tensor(parts[r])) for k, v in mini_batch.items()},
+                temperature,
+            )
+            for r in ranks
+        ]
+        return (await self._all("update", refs, ranks=ranks))[0]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +81,7 @@ async def start_group(cls, model_dir: Path) -> TrainerGroup:
 
 
 def harness(tmp: Path, group: TrainerGroup, **settings) -> Harness:
-    h = Harness(tmp, engine=group, save_freq=1, **settings)
+    h = Harness(tmp, engine=group, **{"save_freq": 1, **settings})
     h.pool.manager = GroupCheckpointEngine(group, "shm", phase_timeout_s=30)
     return h
 
@@ -119,7 +142,7 @@ def test_a_rank_that_hangs_fails_the_call_after_the_timeout_naming_it(ray_local)
 
     group = TrainerGroup([Rank.remote(), Rank.remote()])
     ray.get([h.ok.remote() for h in group.handles])  # both started: only rank 1 is late
-    group.call_timeout_s = 2.0  # runtime.stall_timeout_s in a job
+    group.call_timeout_s = 2.0  # 2 x trainer.stall_timeout_s in a job
     group.begin_step(7)
 
     async def call():
@@ -130,6 +153,36 @@ def test_a_rank_that_hangs_fails_the_call_after_the_timeout_naming_it(ray_local)
         asyncio.run(call())
     assert (e.value.rank, e.value.step) == (1, 7)
     assert "trainer rank 1 failed in update during global step 7" in str(e.value)
-    assert "ranks [1] gave no answer within 2s (runtime.stall_timeout_s)" in str(e.value)
+    assert "ranks [1] gave no answer within 2s (the group's call timeout" in str(e.value)
     with pytest.raises(TrainerRankFailed):  # a failed group refuses further calls
         asyncio.run(call())
+
+
+def test_a_rank_that_never_joins_a_collective_is_named_by_the_stall_watchdog(
+    ray_local, model_dir, tmp_path
+):
+    """Rank 0 waits forever in step 2's collectives for rank 1, which never got its
+    mini-batch: the watchdog names the update, its step and mini-batch, and the rank the
+    group still waits for, within the timeout (the group's own call timeout is off)."""
+    stall_s = 3.0
+
+    async def stuck_run():
+        group = await start_group(SkipsRankAtStep, model_dir)
+        h = harness(tmp_path, group, save_freq=-1, total_training_steps=4, stall_timeout_s=stall_s)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(StallError) as e:
+                await asyncio.wait_for(h.trainer.run(), 120)
+        finally:
+            await h.pool.manager.aclose()
+            group.shutdown()
+        return e.value, time.monotonic() - t0
+
+    err, took = asyncio.run(stuck_run())
+    assert err.stage == "update"
+    text = str(err)
+    assert "the stalled stage is update: 1 in flight; the oldest for" in text
+    assert "(step 2, mini-batch 1/2, epoch 1/1)" in text
+    assert "trainer group calls waiting for ranks: update: ranks [0] for" in text
+    assert err.stacks is not None and err.stacks.is_file()
+    assert took < 60  # named once the timeout passed, never waited out

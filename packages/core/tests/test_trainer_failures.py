@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 
 import pytest
 from trainer_fakes import Harness, check_accounting
@@ -14,6 +15,7 @@ from trainer_fakes import Harness, check_accounting
 from offbeat.core.rewards import register_reward
 from offbeat.core.tasks import make_rows
 from offbeat.core.trainer import GroupFailed, RolloutDriver, RolloutFailing
+from offbeat.core.trainer.watchdog import StallError
 
 register_reward("my_source", lambda response, ground_truth, **_: 1.0)
 
@@ -93,10 +95,12 @@ async def test_stall_watchdog_counts_no_failed_group_as_progress(tmp_path):
     # (and being refilled) the whole time.
     register_reward("also_broken", lambda response, ground_truth, **_: 1 / 0)
     h = Harness(tmp_path, rows=rows_of("also_broken"), stall_timeout_s=0.5)
-    with pytest.raises(RuntimeError, match=r"finished no prompt group") as info:
+    with pytest.raises(StallError, match=r"nothing advanced") as info:
         await asyncio.wait_for(h.trainer.run(), 30)
     message = str(info.value)
-    assert "runtime.stall_timeout_s" in message
+    assert "trainer.stall_timeout_s=0.5" in message
+    assert info.value.stage == "reward"  # failing since its first call, never a success
+    assert re.search(r"the stalled stage is reward: \d in flight; .*0 done, \d+ failed", message)
     assert "data_source 'also_broken'" in message and "ZeroDivisionError" in message
     assert h.buffer.core.counts()["failed"] >= 2  # failures happened, and did not count
 

@@ -16,6 +16,7 @@ from offbeat.core.rollout import TokenOutput
 from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet
 from offbeat.core.trace import MAIN_TRACK, Tracer, nesting_problems
 from offbeat.core.trainer import SingleTurnAgentLoop, Trainer
+from offbeat.core.trainer.watchdog import StallError
 
 
 async def test_separate_async_three_steps_versions_spans_evictions(tmp_path):
@@ -208,8 +209,9 @@ async def test_a_hung_rollout_fails_the_run_instead_of_hanging(tmp_path):
         await asyncio.Event().wait()
 
     h.servers["s0"].generate = never
-    with pytest.raises(RuntimeError, match=r"finished no prompt group .*runtime\.stall_timeout_s"):
+    with pytest.raises(StallError, match=r"trainer\.stall_timeout_s=0\.3") as e:
         await asyncio.wait_for(h.trainer.run(), 30)
+    assert e.value.stage == "generation[s0]"
 
 
 def test_settings_reject_unknown_mode():

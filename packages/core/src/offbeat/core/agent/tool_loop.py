@@ -8,7 +8,8 @@ session's id, so it is sticky to one replica and reuses its prefix cache. Trajec
 are token-exact (see `turns`): assistant tokens as sampled, template tokens from the
 template, loss mask 1 on policy tokens only. A session stops at `max_turns`, when the
 response budget (`max_tokens` of the sampling params) is spent, or at a turn that calls
-no tool. Tools and tokenizer work never run on the event loop.
+no tool. Tools and tokenizer work never run on the event loop; a turn's tool calls are
+in flight in the run's progress registry (stage "tool").
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from offbeat.core import progress
 from offbeat.core.agent.parsers import TOOL_PARSERS, ParseResult
 from offbeat.core.agent.tools import Tool, ToolResult, ToolRunner
 from offbeat.core.agent.turns import TrajectoryBuilder, TurnTemplate
@@ -155,7 +157,8 @@ class ToolAgentLoop(SingleTurnAgentLoop):
             if turn == c.max_turns - 1:
                 s.count("stop/max_turns")
                 return s
-            results = await self._observe(parsed)
+            with progress.working("tool", None, f"{sid} turn {turn}, {len(parsed.calls)} calls"):
+                results = await self._observe(parsed)
             s.count("tool_errors", sum(r.error for r in results))
             s.count("tool_timeouts", sum(r.timed_out for r in results))
             s.count("tool_truncated", sum(r.truncated for r in results))

@@ -108,6 +108,10 @@ def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]
             yield key, v
 
 
+# Keys that moved: an old config names the new place.
+MOVED = {"runtime.stall_timeout_s": "trainer.stall_timeout_s"}
+
+
 def _merge_one(cfg: DictConfig, key: str, value: Any, problems: list[Problem]) -> None:
     nested: Any = value
     for part in reversed(key.split(".")):
@@ -115,6 +119,9 @@ def _merge_one(cfg: DictConfig, key: str, value: Any, problems: list[Problem]) -
     try:
         cfg.merge_with(nested)
     except ConfigKeyError:
+        if key in MOVED:
+            problems.append(Problem(key, value, f"moved: set {MOVED[key]} instead"))
+            return
         parent = key.rpartition(".")[0]
         node = OmegaConf.select(cfg, parent) if parent else cfg
         while parent and not isinstance(node, DictConfig):  # deepest section that exists

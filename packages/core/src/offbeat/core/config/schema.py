@@ -264,6 +264,15 @@ class TrainerConfig:
     # |log p_trainer - log p_rollout| per token on trajectories sampled at the trainer's
     # current weights, passes this; null: never. float32 on both sides: ~3e-7; bf16: ~1e-2.
     logprob_drift_warn: float | None = 0.05
+    # The stall watchdog (offbeat.core.trainer.watchdog): while the training loop runs,
+    # stop the run when nothing advances for this long (no group finished, no batch
+    # taken, no update, sync or validation prompt done), naming the stalled stage and
+    # writing every thread's and asyncio task's stack to <log_dir>/<experiment_name>/logs.
+    # 600 s: twice runtime.sync_timeout_s's default, 20x reward.timeout_s's, so those
+    # deadlines fire first and the run recovers (a replica replaced, a group failed).
+    # Engine start and warm start come before it; checkpoint saves and replica
+    # replacements hold it. null or 0: off.
+    stall_timeout_s: float | None = 600.0
     # The step timeline, <log_dir>/<experiment_name>/trace.json (Chrome trace / Perfetto):
     # every step when trace=true, else the first trace_steps steps (0: no trace).
     trace: bool = False

@@ -323,6 +323,19 @@ def _logprob_drift_warn(cfg: Any, p: Problems) -> None:
 
 
 @check
+def _stall_timeout(cfg: Any, p: Problems) -> None:
+    value = cfg.trainer.stall_timeout_s
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+    if value is not None and not ok:
+        p.add(
+            "trainer.stall_timeout_s",
+            value,
+            "must be seconds > 0 (stop the run when nothing advances that long) or null / 0 "
+            "(no stall watchdog)",
+        )
+
+
+@check
 def _trace(cfg: Any, p: Problems) -> None:
     t = cfg.trainer
     if not isinstance(t.trace, bool):

@@ -6,8 +6,9 @@ the row to a teacher, asks that teacher for the log-prob of every response token
 the group's trajectories at once, while the rollout goes on with other groups), and
 stores them in each trajectory's extras beside the student's rollout log-probs. A
 teacher that still fails after its retries fails the group (`GroupFailed`: evicted,
-counted, refilled by the rollout driver), never the run. Knows nothing about engines or
-the loss.
+counted, refilled by the rollout driver), never the run. A group's teacher calls are in
+flight in the run's progress registry (stage "teacher", keyed by teacher). Knows nothing
+about engines or the loss.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
+from offbeat.core import progress
 from offbeat.core.data import Trajectory
 from offbeat.core.distill.advantages import (
     TEACHER_ID,
@@ -55,15 +57,16 @@ class DistillAgentLoop:
         trajectories = await self.agent.sample(uid, row, n, sampling)
         k = self.top_k
         try:
-            scores = await asyncio.gather(
-                *(
-                    self.teachers.score_top(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids), k)
-                    if k
-                    else self.teachers.score(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids))
-                    for t in trajectories
-                    if t.response_ids
-                )
-            )  # fmt: skip
+            with progress.working("teacher", teacher, f"group {uid}"):
+                scores = await asyncio.gather(
+                    *(
+                        self.teachers.score_top(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids), k)
+                        if k
+                        else self.teachers.score(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids))
+                        for t in trajectories
+                        if t.response_ids
+                    )
+                )  # fmt: skip
         except TeacherScoringError as e:
             raise GroupFailed(str(e)) from e
         it = iter(scores)

@@ -10,7 +10,8 @@ the `n` samples of one prompt: one lease and one group request (where the server
 `generate_group`; else `n` requests under that lease), then each sample resumes on its
 own. Each server call is a span on one of that server's lanes in the run's trace, if one
 is active (`offbeat.core.trace`), and is tallied under its server id (`served_calls`,
-`served_tokens`: each call once, where it ran).
+`served_tokens`: each call once, where it ran), and is in flight in the run's progress
+registry under stage "generation", keyed by that server id (`offbeat.core.progress`).
 
 Knows nothing about engines, weights or Ray beyond one thing: a server handle is either
 an object with `async generate(...)` (and maybe `generate_group(...)`) or a Ray actor
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from offbeat.core import trace
+from offbeat.core import progress, trace
 from offbeat.core.rollout.protocol import TokenOutput, sample_params, supports_group
 
 __all__ = ["PartialRolloutClient", "PartialRolloutConfig"]
@@ -233,7 +234,10 @@ class PartialRolloutClient:
             lease = await self._acquire(key, group_id, full, 1)
             try:
                 # One lane per request in flight on this server, in the run's trace if any.
-                with trace.lane_span("generate", lease.server_id, request=request_id) as args:
+                with (
+                    trace.lane_span("generate", lease.server_id, request=request_id) as args,
+                    progress.working("generation", lease.server_id, request_id),
+                ):
                     out = await self._call(
                         lease.handle, request_id, full, {**base, "max_tokens": sample.remaining}
                     )
@@ -336,9 +340,14 @@ class PartialRolloutClient:
             params = {**sample_params(base, pending[0]), "max_tokens": budget}
             lease = await self._acquire(request_id, group_id, prompt, len(pending))
             try:
-                with trace.lane_span(
-                    "generate", lease.server_id, request=request_id, n=len(pending)
-                ) as args:
+                with (
+                    trace.lane_span(
+                        "generate", lease.server_id, request=request_id, n=len(pending)
+                    ) as args,
+                    progress.working(
+                        "generation", lease.server_id, f"{request_id} x{len(pending)}"
+                    ),
+                ):
                     outs = await self._call_group(lease.handle, request_id, prompt, params, pending)
                     args.update(
                         tokens=sum(len(o.token_ids) for o in outs),

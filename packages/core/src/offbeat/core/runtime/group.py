@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -137,6 +138,8 @@ class TrainerGroup:
         self.reference_fingerprint: list[float] | None = None  # with the reference role
         # Groups whose calls belong to this one's global steps (a critic of its own).
         self.linked: list[TrainerGroup] = []
+        # Calls in flight: (what, ranks, their futures, monotonic start), for `waiting`.
+        self._calls: list[tuple[str, list[int], list[asyncio.Future], float]] = []
 
     @property
     def dp_size(self) -> int:
@@ -202,6 +205,8 @@ class TrainerGroup:
         if self.failed is not None:
             raise self.failed
         futures = [asyncio.ensure_future(_await(r)) for r in refs]
+        self._calls = [c for c in self._calls if not all(f.done() for f in c[2])]
+        self._calls.append((what, ranks, futures, time.monotonic()))
         try:
             done, _ = await asyncio.wait(
                 futures, timeout=self.call_timeout_s, return_when=asyncio.FIRST_EXCEPTION
@@ -229,7 +234,7 @@ class TrainerGroup:
                 late[0],
                 TimeoutError(
                     f"ranks {late} gave no answer within {self.call_timeout_s:.0f}s "
-                    f"(runtime.stall_timeout_s)"
+                    f"(the group's call timeout: 2 x trainer.stall_timeout_s in a job)"
                 ),
             )
         self.failed = TrainerRankFailed(rank, what, self.step, cause)
@@ -243,6 +248,18 @@ class TrainerGroup:
                     await asyncio.wait_for(self.handles[0].close_backend.remote(), _GRACE_S)
             self.shutdown()
         raise self.failed
+
+    def waiting(self) -> list[str]:
+        """The calls in flight (this group's and its linked groups'), each with the ranks
+        that have not answered yet and for how long, e.g. "update: ranks [1] for 12.0 s"
+        (the stall watchdog's report)."""
+        now = time.monotonic()
+        out = []
+        for what, ranks, futures, t0 in self._calls:
+            late = [r for r, f in zip(ranks, futures, strict=True) if not f.done()]
+            if late:
+                out.append(f"{what}: ranks {late} for {now - t0:.1f} s")
+        return out + [w for g in self.linked for w in g.waiting()]
 
     # ---- the TrainEngine calls of the training loop --------------------------------------
     def _shards(self, data: dict[str, Any]) -> list[list[int]]:

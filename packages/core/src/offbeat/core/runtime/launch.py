@@ -29,6 +29,7 @@ from offbeat.core.runtime.pools import DEVICE_RESOURCES, PoolSpec, ResourcePools
 __all__ = [
     "HYBRID_DEVICE_SHARE",
     "TrainerSide",
+    "call_timeout_s",
     "group_roles",
     "hybrid_options",
     "hybrid_replicas",
@@ -185,6 +186,14 @@ class TrainerSide:
         self.group.shutdown()
 
 
+def call_timeout_s(cfg: Any) -> float | None:
+    """A trainer group's call timeout: twice `trainer.stall_timeout_s` (None when off).
+    Inside the training loop the stall watchdog names a call that hangs first; outside
+    it (a resume's load, the last checkpoint) this bounds every call."""
+    stall = cfg.trainer.stall_timeout_s
+    return 2.0 * stall if stall else None
+
+
 async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
     """The trainer of `cfg` (a prepared RunConfig) and its checkpoint engine; the group's
     ranks go into `pools`' trainer pool, which must exist unless the trainer runs in the
@@ -211,7 +220,7 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
         cfg, n, options=_rank_options(cfg, pools), cpus=cpus, seed=cfg.trainer.seed,
         threads=rt.trainer_threads, roles=roles,
     )  # fmt: skip
-    group.call_timeout_s = rt.stall_timeout_s
+    group.call_timeout_s = call_timeout_s(cfg)
     separate: dict[str, TrainerGroup] = {}
     try:
         manager = GroupCheckpointEngine(
@@ -248,5 +257,5 @@ async def _start_separate(cfg: Any, pools: ResourcePools, role: str) -> TrainerG
         cfg, n, options=_rank_options(cfg, pools, role), cpus=cpus, seed=cfg.trainer.seed,
         threads=rt.trainer_threads, roles=(role,),
     )  # fmt: skip
-    group.call_timeout_s = rt.stall_timeout_s
+    group.call_timeout_s = call_timeout_s(cfg)
     return group

@@ -13,7 +13,8 @@ anything is generated), `prompt_too_long`, `prompt_error`, `engine_error`, or a 
 template and tokenisation of the prompt, detokenisation) runs in a small thread pool of
 its own, never on the event loop; reward calls run off the loop too, each under
 `reward.timeout_s` (`RewardRegistry.ascore_group`): a slow scorer delays its group, not
-the rollout or the trainer, and a hung one fails its group at the deadline.
+the rollout or the trainer, and a hung one fails its group at the deadline. A group's
+reward calls are in flight in the run's progress registry (stage "reward").
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from offbeat.core import progress
 from offbeat.core.data import Trajectory
 from offbeat.core.rewards import RewardError, RewardRegistry
 from offbeat.core.rollout.protocol import sample_params
@@ -208,10 +210,13 @@ class SingleTurnAgentLoop:
         deadline (`RewardRegistry.ascore_group`); a rewards object without it is called in
         this loop's threads, as one group. Raises `GroupFailed` with the reward's reason."""
         try:
-            ascore = getattr(self.rewards, "ascore_group", None)
-            if ascore is not None:
-                return list(await ascore(source, list(texts), truth, extra_info))
-            return await self._off_loop(self._score_sync, source, truth, list(texts), extra_info)
+            with progress.working("reward", None, f"data_source {source!r}, {len(texts)} texts"):
+                ascore = getattr(self.rewards, "ascore_group", None)
+                if ascore is not None:
+                    return list(await ascore(source, list(texts), truth, extra_info))
+                return await self._off_loop(
+                    self._score_sync, source, truth, list(texts), extra_info
+                )
         except RewardError as e:
             raise GroupFailed(str(e), getattr(e, "reason", "reward_error")) from e
 

@@ -95,7 +95,6 @@ class RuntimeConfig:
     # transfer then needs no memory on the replica's side beyond what its backend maps,
     # as with cuda_ipc into vLLM's direct-copy path).
     sync_release_kv: bool = True
-    stall_timeout_s: float = 900.0  # no group finished this long while training waits: fail
     # Stop the run when this many train batches' worth of prompt groups in a row fail
     # (reward or engine errors) with none finishing: the rollout has nothing to train on.
     max_failed_batches: int = 3
@@ -177,9 +176,6 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
             p.add("runtime.trainer_cpus", list(rt.trainer_cpus), f"cores of this machine: {usable}")
         p.require_int("runtime.trainer_threads", rt.trainer_threads)
         p.require_int("runtime.max_failed_batches", rt.max_failed_batches)
-        stall = rt.stall_timeout_s
-        if isinstance(stall, bool) or not isinstance(stall, int | float) or stall <= 0:
-            p.add("runtime.stall_timeout_s", stall, "seconds > 0")
 
 
 @check

@@ -14,6 +14,9 @@ the replacement and brings it to the version, so no sync returns with nothing to
 Guests are replicas the pool does not sync, only watches while they are in the balancer
 (hybrid replicas during validation, `offbeat.core.trainer.hybrid`): a dead guest is
 removed from the balancer and reported in `lost_guests`, never replaced here.
+
+A replacement's start is an exempt phase of the run's progress registry (the stall
+watchdog holds meanwhile; `replica_ready_timeout_s` bounds it, `offbeat.core.progress`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from offbeat.ckpt_engine import CheckpointEngineManager, SyncResult
+from offbeat.core import progress
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +168,8 @@ class ReplicaPool:
                 n = self._generation[base] = self._generation.get(base, 0) + 1
                 new_id = f"{base}-r{n}"
                 try:
-                    server = await r.start(dead_id, new_id, dead)
+                    with progress.exempt(f"replica replacement {new_id}"):
+                        server = await r.start(dead_id, new_id, dead)
                 except Exception as e:
                     self._failures[base] = failures + 1
                     errors.append(f"{new_id}: {type(e).__name__}: {e}")

@@ -16,6 +16,9 @@ Each prompt is submitted with its position in the data order (the loader's
 `stream_position`), which the buffer's prompt ledger keeps. With `sample_seed` set, a
 group's requests are seeded from (sample_seed, position): the same prompt of the data
 order is sampled alike in a resumed run as in an uninterrupted one.
+
+Admissions and finished or failed groups are reported to the run's progress registry
+(stages "submission" and "buffer", `offbeat.core.progress`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from offbeat.core import progress
 from offbeat.core.buffer import AsyncReplayBuffer
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
 
@@ -208,6 +212,7 @@ class RolloutDriver:
             rows = self.loader.next(slots)
             positions = None if start is None else range(start, start + len(rows))
             await self.buffer.submit(rows, positions)
+            progress.advance("submission", n=len(rows))
 
     def group_seed(self, uid: str) -> int | None:
         """The seed of group `uid`'s first sample (sample i: + i), from its position in
@@ -232,6 +237,7 @@ class RolloutDriver:
             except GroupFailed as e:
                 self._failed(group.uid, group.prompt, e)
                 await self.buffer.fail(group.uid, str(e), getattr(e, "reason", "error"))
+                progress.fail("buffer", error=f"group {group.uid} failed ({e.reason}): {e}")
                 continue
             finally:
                 self.clock.exit()
@@ -239,6 +245,7 @@ class RolloutDriver:
             self.groups_finished += 1
             self.failures = FailureRun()
             await self.buffer.finish(group.uid, trajectories)
+            progress.advance("buffer")
 
 
 def _size(loader: Any) -> int | None:

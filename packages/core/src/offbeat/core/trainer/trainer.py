@@ -16,7 +16,9 @@ dead replicas join at its weight version (`ReplicaPool.admit`).
 Knows nothing about the concrete engines: it drives a `TrainEngine` (or a trainer group
 whose calls are coroutines), a `ReplicaPool`
 (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
-phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`).
+phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`), and
+report to the run's progress registry, which the stall watchdog reads while the rollout
+runs (`offbeat.core.trainer.watchdog`, `trainer.stall_timeout_s`).
 Step hooks see each trained batch and may add metrics (rollout record and replay).
 """
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from offbeat.core import trace
+from offbeat.core import progress, trace
 from offbeat.core.agent.metrics import agent_metrics
 from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.algorithms.logprob_drift import DRIFT_MASK
@@ -52,6 +54,7 @@ from offbeat.core.trainer.replicas import ReplicaPool
 from offbeat.core.trainer.rollout import RolloutDriver
 from offbeat.core.trainer.tracking import MetricsTracker
 from offbeat.core.trainer.validation import Validator
+from offbeat.core.trainer.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +81,8 @@ class TrainerSettings:
     val_before_train: bool = False
     resume: bool = False
     pad_token_id: int = 0
-    # Raise (instead of hanging) when no group finishes (failed ones do not count) for
-    # this long while the trainer waits for a batch; None: wait forever.
+    # The stall watchdog: stop the run, naming the stalled stage, when nothing advances
+    # for this long (failed groups do not count); None or 0: off.
     stall_timeout_s: float | None = None
     # Warn when logprob_drift/abs_mean passes it (None: never); see trainer/logprob_drift.py.
     logprob_drift_warn: float | None = DRIFT_WARN_DEFAULT
@@ -103,7 +106,7 @@ class TrainerSettings:
             val_before_train=cfg.trainer.val_before_train,
             resume=cfg.trainer.resume,
             pad_token_id=pad_token_id,
-            stall_timeout_s=getattr(getattr(cfg, "runtime", None), "stall_timeout_s", None),
+            stall_timeout_s=cfg.trainer.stall_timeout_s or None,
             logprob_drift_warn=cfg.trainer.logprob_drift_warn,
         )
 
@@ -257,9 +260,10 @@ class Trainer:
         if self.checkpoints is None:
             return
         state = self.state()
-        path = await asyncio.to_thread(
-            self.checkpoints.save, self.step, self.engine, state, **self._other_engines()
-        )
+        with progress.exempt("checkpoint save"):  # may take long: the watchdog holds
+            path = await asyncio.to_thread(
+                self.checkpoints.save, self.step, self.engine, state, **self._other_engines()
+            )
         self.tracker.event(f"[step {self.step}] checkpoint saved: {path}")
 
     # ---- validation ----------------------------------------------------------------------
@@ -273,7 +277,7 @@ class Trainer:
         if self._val_task is None:
             return
         task, self._val_task = self._val_task, None
-        with trace.span("validation_wait"):
+        with trace.span("validation_wait"), progress.phase("waiting for the validation"):
             while not task.done():
                 await asyncio.wait([task], timeout=1.0)
                 if task.done() or not self.pool.joining:
@@ -362,20 +366,29 @@ class Trainer:
             await self.pool.sync(self.engine.export_weights, self.version)
         run_t0 = time.perf_counter()
         token = trace.activate(self.tracer)  # the rollout tasks started below inherit it
+        watchdog = StallWatchdog.for_trainer(self)  # and its progress registry
+        watchdog.arm()
         self.driver.start()
         try:
             if s.val_before_train and self.validator is not None:
                 await self._validate()
                 await self._finish_validation()
             for step in range(start, s.total_training_steps + 1):
-                with trace.span(f"step {step}", trace.MAIN_TRACK, step=step):
+                with (
+                    trace.span(f"step {step}", trace.MAIN_TRACK, step=step),
+                    progress.phase(f"step {step}"),
+                ):
                     metrics = await self._global_step(step)
                 self.tracker.log(step, metrics)
                 await self.tracer.end_step()  # writes the step's spans off the event loop
                 if s.save_freq > 0 and step % s.save_freq == 0:
                     await self._save()
             await self._finish_validation()
+        except BaseException as e:
+            watchdog.raise_stall(e)  # the StallError, when the watchdog stopped the run
+            raise
         finally:
+            watchdog.disarm()
             await self.driver.stop()
             await self.tracer.close()
             for hook in self.step_hooks:
@@ -395,47 +408,24 @@ class Trainer:
             "val_abandoned": self.val_abandoned,
         }
 
-    def _progress(self) -> tuple[int, int]:
-        """Trained and finished groups; failed or evicted ones are not progress."""
-        return (self.buffer.core.counts()["trained"], self.driver.groups_finished)
-
     async def _wait_for_batch(self, step: int) -> tuple[list[PromptGroup], list[PromptGroup]]:
         waiter = asyncio.ensure_future(self.buffer.sample(self.s.train_batch_size))
         fatal = asyncio.ensure_future(self.driver.wait_fatal())
-        last, since = self._progress(), time.perf_counter()
         try:
-            while True:
-                timeout = min(1.0, self.s.stall_timeout_s or 1.0)
+            while True:  # a rollout that stops advancing: the stall watchdog's (run())
                 await asyncio.wait(
-                    [waiter, fatal], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    [waiter, fatal], timeout=1.0, return_when=asyncio.FIRST_COMPLETED
                 )
                 if waiter.done():
+                    progress.advance("buffer")  # a batch taken
                     return waiter.result()
                 if self.pool.joining:  # the weights are `self.version` while we wait
                     await self.pool.admit(self.engine.export_weights, self.version)
                 self.driver.check()  # the failure limit, or a crashed rollout task
-                now = self._progress()
-                if now != last:
-                    last, since = now, time.perf_counter()
-                elif (
-                    self.s.stall_timeout_s and time.perf_counter() - since > self.s.stall_timeout_s
-                ):
-                    raise RuntimeError(self._stall_message(step))
         finally:
             fatal.cancel()
             if not waiter.done():
                 waiter.cancel()
-
-    def _stall_message(self, step: int) -> str:
-        c = self.buffer.core.counts()
-        f = self.driver.failures
-        failed = f"; {f.count} groups failed meanwhile: {f.describe()}" if f.count else ""
-        return (
-            f"step {step}: the rollout finished no prompt group for "
-            f"{self.s.stall_timeout_s:.0f}s (runtime.stall_timeout_s) while the trainer "
-            f"waited for {self.s.train_batch_size} groups{failed}; buffer {c}; "
-            f"replicas {self.pool.server_ids}, removed {self.pool.removed}"
-        )
 
     async def _global_step(self, step: int) -> dict[str, float]:
         s = self.s
@@ -448,7 +438,8 @@ class Trainer:
             self.engine.begin_step(step)
 
         t0 = time.perf_counter()
-        with trace.span("generate_wait"):
+        waiting = f"waiting for a batch of {s.train_batch_size} prompt groups"
+        with trace.span("generate_wait"), progress.phase(f"step {step}: {waiting}"):
             groups, evicted = await self._wait_for_batch(step)
         wait_s = time.perf_counter() - t0
         self.trained_uids += [g.uid for g in groups]
@@ -465,7 +456,7 @@ class Trainer:
         t0 = time.perf_counter()
         if s.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
-            with trace.span("old_log_prob"):
+            with trace.span("old_log_prob"), progress.working("old_log_prob", None, f"step {step}"):
                 data["old_log_probs"] = await _call(
                     self.engine.compute_log_probs, data, s.temperature
                 )
@@ -492,7 +483,13 @@ class Trainer:
                     mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
                     if drift_mask is not None and epoch == k == 0:  # before any optimizer step
                         mb[DRIFT_MASK] = drift_mask[:rows_per_mb]
-                    with trace.span("mini-batch", index=k, epoch=epoch):
+                    where = f"step {step}, mini-batch {k + 1}/{s.parameter_sync_step}"
+                    with (
+                        trace.span("mini-batch", index=k, epoch=epoch),
+                        progress.working(
+                            "update", None, f"{where}, epoch {epoch + 1}/{s.ppo_epochs}"
+                        ),
+                    ):
                         update_metrics.append(await _call(self.engine.update, mb))
         train_s = time.perf_counter() - t0
         if asleep is not None and (levels := await asleep):
@@ -506,7 +503,7 @@ class Trainer:
         await self._finish_validation(weights_at_version=False)
         t0 = time.perf_counter()
         version = self.version_offset + step
-        with trace.span("sync", version=version):
+        with trace.span("sync", version=version), progress.working("sync", None, f"v{version}"):
             result = await self.pool.sync(self.engine.export_weights, version)
             trace.add_sync(result)  # each phase, and every replica's phases on its track
         sync_s = time.perf_counter() - t0

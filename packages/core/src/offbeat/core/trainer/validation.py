@@ -4,7 +4,8 @@ Knows nothing about training: it runs the agent loop (one sample per prompt, gre
 default) through the same client and balancer the training rollout uses, so validation
 requests interleave with training generation on the same replicas. `baselines` are
 other agents scored on the same rows in the same run (e.g. the policy without its tools:
-`val/reward_no_tools`).
+`val/reward_no_tools`). Each prompt scored (or failed) is reported to the run's progress
+registry (stage "validation").
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from offbeat.core import progress
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
 
 
@@ -54,8 +56,10 @@ class Validator:
             async with sem:
                 try:
                     (t,) = await agent.sample(f"{tag}-{i}", row, 1, self.sampling)
-                except GroupFailed:
+                except GroupFailed as e:
+                    progress.fail("validation", error=f"{tag}-{i} ({e.reason}): {e}")
                     return 0.0, 0.0, False
+                progress.advance("validation")
                 return t.reward, float(len(t.response_ids)), True
 
         runs = [
