@@ -27,15 +27,21 @@ def profile(
     length (+ `opt_s`), a sync of `sync_s`."""
     return Profile(
         trainer=TrainerProfile(
-            points=[TrainerPoint(seq_len=1, rows=128, forward_s=0.0, backward_s=update_s,
-                                 optimizer_s=opt_s),
-                    TrainerPoint(seq_len=10**6, rows=128, forward_s=0.0, backward_s=update_s,
-                                 optimizer_s=opt_s)],
-        ),  # fmt: skip
+            points=[
+                TrainerPoint(
+                    seq_len=1, rows=128, forward_s=0.0, backward_s=update_s, optimizer_s=opt_s
+                ),
+                TrainerPoint(
+                    seq_len=10**6, rows=128, forward_s=0.0, backward_s=update_s, optimizer_s=opt_s
+                ),
+            ],
+        ),
         rollout=RolloutProfile(
-            concurrency=[1.0, 1e9], tokens_per_s=[rate, rate], response_lengths=list(lengths),
+            concurrency=[1.0, 1e9],
+            tokens_per_s=[rate, rate],
+            response_lengths=list(lengths),
             max_num_seqs=max_num_seqs,
-        ),  # fmt: skip
+        ),
         sync=SyncProfile(bytes=0, abort_s=sync_s),
         validation=ValidationProfile(prompts=0),
     )

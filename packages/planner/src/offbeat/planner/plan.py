@@ -19,13 +19,21 @@ from offbeat.planner.simulator import SimConfig, SimResult, simulate
 __all__ = ["Candidate", "PlanRequest", "plan", "predict", "sim_config_from_job"]
 
 TP_CHOICES = (1, 2, 4, 8)
+SINGLE_MACHINE_BACKENDS = ("shm", "cuda_ipc")
 
 
 def sim_config_from_job(cfg: Any, profile: Profile, *, steps: int | None = None) -> SimConfig:
     """The simulator's view of a (validated) job config."""
     a, s, t, r = cfg.async_training, cfg.actor, cfg.trainer, cfg.resources
     rt = getattr(cfg, "runtime", None)
-    prompt_len = float(profile.job.get("prompt_len_mean") or cfg.data.max_prompt_length)
+    # The trainer pads to the batch's longest prompt: the profiled padded width less the
+    # longest response is that prompt width.
+    padded = float(profile.job.get("padded_len_mean") or 0.0)
+    longest = max(profile.rollout.response_lengths or [cfg.rollout.max_tokens])
+    prompt_len = (
+        padded - longest if padded > longest
+        else float(profile.job.get("prompt_len_mean") or cfg.data.max_prompt_length)
+    )  # fmt: skip
     return SimConfig(
         mode=t.mode,
         steps=steps if steps is not None else min(t.total_training_steps, 12),
@@ -81,7 +89,9 @@ class Candidate:
         total = sum(st.values())
         return sum(k * v for k, v in st.items()) / total if total else 0.0
 
-    def overrides(self, nodes: int, devices: int) -> list[str]:
+    def overrides(self, nodes: int, devices: int, cfg: Any = None) -> list[str]:
+        """The overrides that run this candidate; with `cfg`, also what the split makes
+        necessary beyond it (a weight sync that crosses machines on many nodes)."""
         out = [
             f"resources.num_nodes={nodes}",
             f"resources.devices_per_node={devices // nodes}",
@@ -96,6 +106,9 @@ class Candidate:
                 f"async_training.max_off_policy_strategy={self.strategy}",
                 f"async_training.num_warmup_batches={self.num_warmup_batches}",
             ]
+        rt = getattr(cfg, "runtime", None)
+        if nodes > 1 and getattr(rt, "ckpt_backend", None) in SINGLE_MACHINE_BACKENDS:
+            out.append("runtime.ckpt_backend=broadcast")  # shm / CUDA IPC stay on one machine
         return out
 
 
@@ -112,7 +125,9 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         if self.devices < 2:
-            raise ValueError(f"--devices={self.devices}: need >= 2 (one for training, one for rollout)")
+            raise ValueError(
+                f"--devices={self.devices}: need >= 2 (one for training, one for rollout)"
+            )
         if self.nodes < 1 or self.devices % self.nodes:
             raise ValueError(
                 f"--nodes={self.nodes}: must divide --devices={self.devices} (devices per node)"
@@ -146,7 +161,9 @@ def candidates(cfg: Any, req: PlanRequest, profile: Profile) -> list[Candidate]:
                 for strategy in req.strategies:
                     for th in req.thresholds:
                         # The deepest pipeline the bound allows (drop: depth <= threshold).
-                        out.append(Candidate("separate_async", td, rd // tp, tp, th, strategy, th - 1))
+                        out.append(
+                            Candidate("separate_async", td, rd // tp, tp, th, strategy, th - 1)
+                        )
     return out
 
 

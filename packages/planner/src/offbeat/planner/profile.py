@@ -21,8 +21,8 @@ from typing import Any
 SCHEMA = "offbeat-profile/1"
 
 __all__ = [
-    "SCHEMA",
     "SCALING_ASSUMPTIONS",
+    "SCHEMA",
     "Profile",
     "RolloutProfile",
     "SyncProfile",
@@ -80,8 +80,14 @@ class TrainerProfile:
     # Seconds a step spends around the updates (advantages, padding, batch assembly):
     # measured in the short run as train phase minus the engine's updates.
     overhead_s: float = 0.0
+    # The points give the shape against sequence length; the short run gives the level:
+    # its updates' seconds over the points' at the run's padded length (1: as measured).
+    run_level: float = 1.0
 
     def _per_row(self, seq_len: float, what: str) -> float:
+        """Seconds per row at `seq_len`: a least-squares line a + b x seq_len through the
+        points (compute grows with tokens; one noisy point must not bend the curve),
+        never below the smallest point's per-token cost times seq_len's share of it."""
         pts = sorted(self.points, key=lambda p: p.seq_len)
         if not pts:
             raise ValueError("trainer profile has no points")
@@ -90,9 +96,14 @@ class TrainerProfile:
             ys = [p.forward_s / p.rows for p in pts]
         else:
             ys = [(p.forward_s + p.backward_s) / p.rows for p in pts]
-        if seq_len > xs[-1] and len(xs) >= 2:  # beyond the last point: linear in tokens
-            return ys[-1] * seq_len / xs[-1]
-        return interpolate(xs, ys, seq_len)
+        if len(xs) == 1:
+            return self.run_level * ys[0] * seq_len / xs[0]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+        b = max(0.0, b)
+        a = my - b * mx
+        return self.run_level * max(a + b * seq_len, min(ys) * min(1.0, seq_len / xs[0]))
 
     def _speedup(self, devices: int) -> float:
         if devices == self.devices:
@@ -101,7 +112,7 @@ class TrainerProfile:
         return ratio * self.dp_efficiency ** math.log2(ratio) if ratio > 1 else ratio
 
     def optimizer_s(self) -> float:
-        return sum(p.optimizer_s for p in self.points) / max(1, len(self.points))
+        return self.run_level * sum(p.optimizer_s for p in self.points) / max(1, len(self.points))
 
     def update_s(self, rows: int, seq_len: float, devices: int | None = None) -> float:
         """One mini-batch update: forward + backward of `rows` rows, one optimizer step."""
@@ -128,10 +139,16 @@ class RolloutProfile:
     request_overhead_s: float = 0.0
 
     def rate(self, in_flight: int, tp: int | None = None) -> float:
-        """The replica's tokens/s with `in_flight` requests decoding."""
+        """The replica's tokens/s with `in_flight` requests on it: the measured curve's
+        monotone envelope (more in flight never decodes slower: a dip is noise from
+        shared cores), interpolated."""
         if in_flight <= 0:
             return 0.0
-        r = interpolate(self.concurrency, self.tokens_per_s, float(in_flight))
+        envelope, top = [], 0.0
+        for y in self.tokens_per_s:
+            top = max(top, y)
+            envelope.append(top)
+        r = interpolate(self.concurrency, envelope, float(in_flight))
         t = tp or self.tp
         if t != self.tp:
             ratio = t / self.tp

@@ -231,8 +231,11 @@ class _Sim:
 
     # ---- rollout -----------------------------------------------------------------------
     def _rate(self, r: _Replica) -> float:
+        """Tokens/s of each decoding request: the replica's rate for what it holds (the
+        profile's curve is against sequences in flight on it, queued ones included),
+        shared by the ones decoding."""
         c = len(r.heap)
-        return self.p.rollout.rate(c, self.cfg.tp) / c if c else 0.0
+        return self.p.rollout.rate(r.outstanding, self.cfg.tp) / c if c else 0.0
 
     def _active(self) -> list[_Replica]:
         extra = self.val.hybrid if self.val is not None else []
@@ -418,10 +421,16 @@ class _Sim:
             val_s = self.t - t0
             self.steps.append(
                 StepRecord(
-                    step=step, step_s=self.t - t_begin, wait_s=wait_s, train_s=train_s,
-                    sync_s=sync_s, val_s=val_s, busy_s=self.busy_s - busy0,
-                    tokens=self.tokens - tokens0, evicted=len(evicted),
-                )  # fmt: skip
+                    step=step,
+                    step_s=self.t - t_begin,
+                    wait_s=wait_s,
+                    train_s=train_s,
+                    sync_s=sync_s,
+                    val_s=val_s,
+                    busy_s=self.busy_s - busy0,
+                    tokens=self.tokens - tokens0,
+                    evicted=len(evicted),
+                )
             )
         self.buffer.check_accounting()
         return SimResult(
