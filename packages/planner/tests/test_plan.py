@@ -136,3 +136,16 @@ def test_missing_profile_says_how_to_make_one(tmp_path):
     )  # fmt: skip
     assert r.returncode != 0
     assert "offbeat profile separate_async" in r.stderr
+
+
+def test_profile_with_a_bad_override_fails_before_starting_anything(capsys):
+    # the config is checked first: no Ray, no engine for a value the config rejects
+    assert cli_main(["profile", "separate_async", "rollout.n=0"]) == 2
+    assert "rollout.n" in capsys.readouterr().err
+
+
+def test_the_offbeat_script_lists_profile_and_plan(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["--help"])
+    out = capsys.readouterr().out
+    assert "profile" in out and "plan" in out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 
 __all__ = ["DEFAULT_PROFILE", "add_parsers", "plan_main", "profile_main"]
@@ -54,8 +55,14 @@ def profile_main(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"offbeat profile: --steps={args.steps}: need >= 2 (the first is left out)"
         )
+    from offbeat.core.config import ConfigError
+
     out = Path(args.out) if args.out else DEFAULT_PROFILE(args.recipe)
-    prof = profile_recipe(args.recipe, list(args.overrides), steps=args.steps)
+    try:
+        prof = profile_recipe(args.recipe, list(args.overrides), steps=args.steps)
+    except ConfigError as e:
+        print(f"offbeat profile: {e}", file=sys.stderr)
+        return 2
     prof.save(out)
     t, r, s, m = prof.trainer, prof.rollout, prof.sync, prof.measured
     print(f"offbeat profile: {args.recipe} on {prof.job.get('device')} -> {out}")

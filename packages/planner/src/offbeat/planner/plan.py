@@ -16,7 +16,16 @@ from typing import Any
 from offbeat.planner.profile import SCALING_ASSUMPTIONS, Profile
 from offbeat.planner.simulator import SimConfig, SimResult, simulate
 
-__all__ = ["Candidate", "PlanRequest", "plan", "predict", "sim_config_from_job"]
+__all__ = [
+    "Candidate",
+    "PlanRequest",
+    "candidates",
+    "plan",
+    "predict",
+    "rank",
+    "sim_config_from_job",
+    "sweep",
+]
 
 TP_CHOICES = (1, 2, 4, 8)
 SINGLE_MACHINE_BACKENDS = ("shm", "cuda_ipc")
@@ -142,9 +151,19 @@ def _trainer_sizes(devices: int, per_node: int) -> list[int]:
 
 
 def candidates(cfg: Any, req: PlanRequest, profile: Profile) -> list[Candidate]:
-    per_node = req.devices // req.nodes
+    """Every split of `req.devices` the job config's rules accept."""
     rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     mp = cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size
+    return sweep(req, profile, rows=rows, model_parallel=mp)
+
+
+def sweep(
+    req: PlanRequest, profile: Profile, *, rows: int, model_parallel: int = 1
+) -> list[Candidate]:
+    """The candidates: trainer sizes whose data-parallel ranks split `rows` (a mini-batch's
+    trajectories) evenly, TP choices within a node and not narrower than profiled."""
+    per_node = req.devices // req.nodes
+    mp = model_parallel
     min_tp = max(1, int(profile.rollout.tp))  # never narrower than measured (memory)
     out = []
     for td in _trainer_sizes(req.devices, per_node):
@@ -161,17 +180,21 @@ def candidates(cfg: Any, req: PlanRequest, profile: Profile) -> list[Candidate]:
                 for strategy in req.strategies:
                     for th in req.thresholds:
                         # The deepest pipeline the bound allows (drop: depth <= threshold).
-                        out.append(
-                            Candidate("separate_async", td, rd // tp, tp, th, strategy, th - 1)
-                        )
+                        c = Candidate("separate_async", td, rd // tp, tp, th, strategy, th - 1)
+                        out.append(c)
     return out
 
 
 def plan(cfg: Any, req: PlanRequest, profile: Profile) -> list[Candidate]:
     """Every candidate simulated, fastest first."""
     base = sim_config_from_job(cfg, profile, steps=req.steps)
+    return rank(base, candidates(cfg, req, profile), profile)
+
+
+def rank(base: SimConfig, cands: list[Candidate], profile: Profile) -> list[Candidate]:
+    """Simulate each candidate on `base` (the job's other knobs); fastest first."""
     done = []
-    for c in candidates(cfg, req, profile):
+    for c in cands:
         sc = dataclasses.replace(
             base, mode=c.mode, trainer_devices=c.trainer_devices, replicas=c.replicas, tp=c.tp,
             max_off_policy_threshold=c.threshold, max_off_policy_strategy=c.strategy,

@@ -182,10 +182,12 @@ class _Replica:
     served: float = 0.0
     heap: list[tuple[float, int, Any]] = field(default_factory=list)
     queue: deque = field(default_factory=deque)
-    outstanding: int = 0  # active + queued (the balancer's in-flight count)
+    # Sequences of the calls in flight on it: a group's call holds all n of its samples
+    # until its last one ends (the balancer's lease, the trace's "in flight" count, which
+    # the profile's tokens/s curve is measured against).
+    outstanding: int = 0
 
     def add(self, seq: int, length: float, owner: Any) -> None:
-        self.outstanding += 1
         if len(self.heap) < self.max_num_seqs:
             heapq.heappush(self.heap, (self.served + length, seq, owner))
         else:
@@ -255,6 +257,7 @@ class _Sim:
             self.groups[pg.uid] = g
             self.running += 1
             r = min(self.replicas, key=lambda r: r.outstanding)  # least in flight
+            r.outstanding += self.cfg.n
             for _ in range(self.cfg.n):
                 length = self.rng.choice(self.lengths)
                 g.tokens += length
@@ -278,19 +281,22 @@ class _Sim:
         pool = [*self.replicas, *extra]
         for i in range(prompts):
             self.seq += 1
-            pool[i % len(pool)].add(self.seq, length, self.val)
+            r = pool[i % len(pool)]
+            r.outstanding += 1
+            r.add(self.seq, length, self.val)
 
     def _complete(self, r: _Replica) -> None:
         _, _, owner = heapq.heappop(r.heap)
-        r.outstanding -= 1
         r.refill()
         if isinstance(owner, _Validation):
+            r.outstanding -= 1
             owner.left -= 1
             if owner.left == 0:
                 owner.done_at = self.t
             return
         owner.left -= 1
         if owner.left == 0:
+            r.outstanding -= self.cfg.n
             trajectories = [(owner.started_version, self.version)] * self.cfg.n
             self.buffer.finish(owner.uid, trajectories)
             self.running -= 1
