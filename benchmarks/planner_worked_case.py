@@ -23,7 +23,6 @@ import sys
 import time
 
 from offbeat.planner import (
-    PlanRequest,
     Profile,
     RolloutProfile,
     SimConfig,
@@ -33,7 +32,7 @@ from offbeat.planner import (
     ValidationProfile,
     simulate,
 )
-from offbeat.planner.plan import rank, sweep
+from offbeat.planner.plan import Candidate, rank
 
 PARAMS = 7.6e9
 # fwd+bwd = 6 x params FLOPs per token, forward 2 x; at this sustained rate per GPU
@@ -61,6 +60,7 @@ def gpu_profile(median: float, sigma: float, cap: int) -> Profile:
             tokens_per_s=[70, 520, 1700, 2700, 3800, 4600, 5000],
             response_lengths=lognormal_lengths(median, sigma, cap),
             max_num_seqs=512,
+            counts="sequences",  # an engine benchmark's axis: a lone sequence decodes alone
         ),
         sync=SyncProfile(bytes=int(2 * PARAMS), transfer_gbps=25.0, abort_s=0.3, fixed_s=1.0),
         validation=ValidationProfile(prompts=0),
@@ -72,6 +72,7 @@ def base(steps: int) -> SimConfig:
     return SimConfig(
         steps=steps, train_batch_size=128, n=16, ppo_mini_batch_size=32, parameter_sync_step=4,
         max_concurrent_groups=10**6, prompt_len=512, max_tokens=16384, skip_steps=2,
+        layout="packed",  # verl packs sequences (remove padding); offbeat's FSDP2 pads
     )  # fmt: skip
 
 
@@ -83,9 +84,13 @@ def colocated(devices: int, profile: Profile, steps: int) -> float:
 
 
 def best_async(devices: int, profile: Profile, steps: int):
-    req = PlanRequest(devices=devices, nodes=devices // 8, modes=("separate_async",),
-                      thresholds=(2, 3), strategies=("drop",), tp_choices=(1,), steps=steps)  # fmt: skip
-    cands = sweep(req, profile, rows=32 * 16)
+    """The fastest of a coarse sweep (a full `offbeat plan` sweep at 128 GPUs is slow in
+    pure Python): trainer 1/4 .. 5/8 of the GPUs, the rest TP1 replicas, drop t=2 or 3."""
+    cands = [
+        Candidate("separate_async", td, devices - td, 1, th, "drop", th - 1)
+        for td in (devices // 4, 3 * devices // 8, devices // 2, 5 * devices // 8)
+        for th in (2, 3)
+    ]
     return rank(base(steps), cands, profile)[0]
 
 

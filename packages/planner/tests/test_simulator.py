@@ -153,3 +153,18 @@ def test_deterministic_for_a_seed():
     p = profile(rate=3000.0, lengths=[1, 2, 3, 50], update_s=0.1)
     a, b = simulate(config(seed=3), p), simulate(config(seed=3), p)
     assert a.summary() == b.summary()
+
+
+def test_padded_batches_pay_for_the_longest_response_packed_ones_for_the_mean():
+    # per-row cost linear in length: 1 ms per token; responses 1 or 99 tokens
+    p = profile(rate=INF_RATE, lengths=[1, 99])
+    p.trainer.points = [
+        TrainerPoint(seq_len=10, rows=1, forward_s=0.0, backward_s=0.010, optimizer_s=0.0),
+        TrainerPoint(seq_len=100, rows=1, forward_s=0.0, backward_s=0.100, optimizer_s=0.0),
+    ]
+    rows = 16 * 8
+    pad = simulate(config(), p)
+    packed = simulate(config(layout="packed"), p)
+    assert all(s.train_s == pytest.approx(2 * rows * 0.099) for s in pad.steps)
+    mean = [s.train_s / (2 * rows * 0.001) for s in packed.steps]  # mean response length
+    assert all(30 < m < 70 for m in mean), mean

@@ -135,8 +135,10 @@ class RolloutProfile:
     response_lengths: list[int] = field(default_factory=list)
     max_num_seqs: int = 256  # requests a replica decodes at once; the rest queue
     tp_efficiency: float = 0.8  # decode speed kept per doubling of tp (assumed)
-    # Seconds a group's call costs beyond decoding (prefill, scheduling, the client).
-    request_overhead_s: float = 0.0
+    # What `concurrency` counts: "calls" (the sequences of the calls in flight, a group
+    # call's n until its last one ends: what `offbeat profile` reads from the trace) or
+    # "sequences" (each decoding or queued sequence, an engine benchmark's axis).
+    counts: str = "calls"
 
     def rate(self, in_flight: int, tp: int | None = None) -> float:
         """The replica's tokens/s with `in_flight` requests on it: the measured curve's

@@ -63,6 +63,9 @@ class SimConfig:
     old_log_prob_source: str = "rollout"
     seed: int = 0
     skip_steps: int = 1  # first steps left out of the averages (the pipeline fills)
+    # How the trainer lays out a batch: "pad" to its longest response (offbeat's FSDP2
+    # engine, TrajectoryBatch.pad) or "packed" (sequence packing: each row its own length).
+    layout: str = "pad"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +74,8 @@ class SimConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{key}={v!r}: must be an int >= 1")
+        if self.layout not in ("pad", "packed"):
+            raise ValueError(f"layout={self.layout!r}: expected 'pad' or 'packed'")
         if self.train_batch_size != self.parameter_sync_step * self.ppo_mini_batch_size:
             raise ValueError(
                 f"train_batch_size={self.train_batch_size} must equal parameter_sync_step="
@@ -233,11 +238,15 @@ class _Sim:
 
     # ---- rollout -----------------------------------------------------------------------
     def _rate(self, r: _Replica) -> float:
-        """Tokens/s of each decoding request: the replica's rate for what it holds (the
-        profile's curve is against sequences in flight on it, queued ones included),
-        shared by the ones decoding."""
+        """Tokens/s of each decoding request: the replica's rate for what it holds, shared
+        by the ones decoding. What it holds is counted as the profile's curve counts it:
+        "calls" (a group call's n sequences until its last ends, as the trace shows them)
+        or "sequences" (each one until it ends, queued ones included)."""
         c = len(r.heap)
-        return self.p.rollout.rate(r.outstanding, self.cfg.tp) / c if c else 0.0
+        if not c:
+            return 0.0
+        load = r.outstanding if self.p.rollout.counts == "calls" else c + len(r.queue)
+        return self.p.rollout.rate(load, self.cfg.tp) / c
 
     def _active(self) -> list[_Replica]:
         extra = self.val.hybrid if self.val is not None else []
@@ -361,8 +370,12 @@ class _Sim:
         batch's longest response (TrajectoryBatch.pad pads the whole batch), forward +
         backward + one optimizer step per epoch; a forward more for decoupled PPO."""
         c, tp = self.cfg, self.p.trainer
-        longest = max(self.groups[g.uid].longest for g in groups)
-        seq_len = c.prompt_len + longest
+        if c.layout == "packed":  # the per-row cost is linear in length: the mean decides
+            seq_len = c.prompt_len + sum(self.groups[g.uid].tokens for g in groups) / (
+                len(groups) * c.n
+            )
+        else:
+            seq_len = c.prompt_len + max(self.groups[g.uid].longest for g in groups)
         rows = c.ppo_mini_batch_size * c.n
         per_mb = c.ppo_epochs * tp.update_s(rows, seq_len, c.trainer_devices)
         seconds = tp.overhead_s + c.parameter_sync_step * per_mb
