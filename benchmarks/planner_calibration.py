@@ -109,7 +109,8 @@ def main() -> int:
         before = load()
         t0 = time.perf_counter()
         subprocess.run([*OFFBEAT, "profile", "separate_async", "--out", str(path)], check=True)
-        say(f"profile: offbeat profile separate_async -> {path} ({time.perf_counter() - t0:.0f}s, "
+        say(f"profile: offbeat profile separate_async -> {path.relative_to(ROOT)} "
+            f"({time.perf_counter() - t0:.0f}s, "
             f"load {before} -> {load()})")  # fmt: skip
     profile = Profile.load(path)
     say("profile's own short run: " + " ".join(
@@ -167,7 +168,7 @@ def main() -> int:
                 f"{err('tokens_per_s'):+.1f}% |")  # fmt: skip
     say(f"# load at the end {load()}")
     _plot(results, RESULTS / "planner_calibration.png")
-    say(f"plot: {RESULTS / 'planner_calibration.png'}")
+    say("plot: benchmarks/results/planner_calibration.png")
     return 0
 
 
