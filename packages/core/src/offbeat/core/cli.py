@@ -1,5 +1,8 @@
 """The `offbeat` console script: `offbeat run <recipe> [key=value ...]`.
 
+`offbeat profile` and `offbeat plan` belong to offbeat-planner (`offbeat.planner.cli`);
+without that package they say what to install.
+
 Knows nothing about what a recipe does: it finds `recipes/<recipe>/` (config.yaml and
 main.py), imports main.py (which may register engines and name its config schema as
 `CONFIG`), loads the YAML plus Hydra-style overrides into that schema, validates the
@@ -100,7 +103,23 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("recipe")
     check.add_argument("overrides", nargs="*")
     sub.add_parser("recipes", help="list the recipes")
+    planner = _planner_cli()
+    if planner is not None:
+        planner.add_parsers(sub)
+    else:
+        for name in ("profile", "plan"):
+            missing = sub.add_parser(
+                name, help="needs offbeat-planner (pip install offbeat-planner)"
+            )
+            missing.add_argument("rest", nargs=argparse.REMAINDER)
     return p
+
+
+def _planner_cli() -> ModuleType | None:
+    try:
+        return importlib.import_module("offbeat.planner.cli")
+    except ImportError:
+        return None
 
 
 def quiet_progress_bars_off_a_terminal() -> None:
@@ -124,11 +143,19 @@ def main(argv: list[str] | None = None) -> int:
         for name, d in sorted(find_recipes().items()):
             print(f"{name}\t{d}")
         return 0
+    if args.command in ("profile", "plan") and _planner_cli() is None:
+        print(f"offbeat {args.command}: needs offbeat-planner; install it: pip install offbeat-planner",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.command == "profile":  # it loads and validates the config with its own overrides
+        return _planner_cli().profile_main(args)
     try:
         module, cfg = load_recipe_config(args.recipe, list(args.overrides))
     except ConfigError as e:
         print(f"offbeat: {e}", file=sys.stderr)
         return 2
+    if args.command == "plan":
+        return _planner_cli().plan_main(args, cfg)
     if args.command == "check":
         print(f"offbeat: config of {args.recipe!r} is valid")
         return 0

@@ -1,0 +1,208 @@
+"""The planner's predictions against real runs of the default job on this machine.
+
+    python benchmarks/planner_calibration.py [--profile P] [--steps 10] [--configs a,b,...]
+
+1. `offbeat profile separate_async` (unless --profile names one already measured);
+2. for each configuration: the simulator's prediction is printed and written to the
+   results file first, then the job runs (`offbeat run separate_async <overrides>`, short,
+   no validation, no checkpoint) and its own metrics give the measured side: the mean over
+   the steps after the first of timing/step_s, perf/trainer_idle_frac,
+   perf/rollout_idle_frac, perf/tokens_per_s (the same window the simulator averages);
+3. a table of predicted against measured, the error of each, and a plot
+   (benchmarks/results/planner_calibration.png). The load average is recorded around every
+   run: on a shared machine the profile and the runs see different contention.
+
+Each run is traced and records its batches, so it can be profiled after the fact
+(`profile_from_run`, the train engine's points kept from the profile and levelled on the
+run's own updates): "replayed" is the simulator on the run's own profile. It separates the
+two sources of error: the pipeline model (replayed against measured) and the machine
+changing between the profile and the run (predicted against replayed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OFFBEAT = [sys.executable, "-m", "offbeat.core.cli"]
+
+CONFIGS = {
+    "async_t2": [],  # the default: separate_async, drop, threshold 2, one warm-up batch
+    "sync": ["trainer.mode=sync"],
+    "async_t3": [
+        "async_training.max_off_policy_threshold=3",
+        "async_training.num_warmup_batches=2",
+    ],
+    "wait_t1": [
+        "async_training.max_off_policy_strategy=wait",
+        "async_training.max_off_policy_threshold=1",
+    ],
+    "async_2rep": ["resources.devices_per_node=3", "resources.rollout_devices=2"],
+}
+KEYS = ("step_s", "trainer_idle", "rollout_idle", "tokens_per_s")
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def short(steps: int, log_dir: Path) -> list[str]:
+    """The run's flags: `profile_from_run` reads <log_dir>/profile and <log_dir>/record."""
+    return [
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=0",
+        "trainer.val_before_train=false", "trainer.save_freq=-1",
+        "trainer.loggers=[jsonl]", f"trainer.log_dir={log_dir}",
+        "trainer.experiment_name=profile", "trainer.trace=true",
+        f"rollout.record.dir={log_dir / 'record'}",
+    ]  # fmt: skip
+
+
+def measured(run_dir: Path) -> dict[str, float]:
+    from offbeat.planner.measure import run_figures
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_figures(rows, skip=1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", help="a profile already measured (default: measure one now)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", default=str(RESULTS / "planner_calibration.txt"))
+    ap.add_argument(
+        "--reuse", help="runs made before (their folder): predict and replay only, run nothing"
+    )
+    args = ap.parse_args()
+    from offbeat.core.cli import load_recipe_config
+    from offbeat.planner import Profile, predict
+    from offbeat.planner.measure import profile_from_run
+
+    out = open(args.out, "w")  # noqa: SIM115
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        out.write(line + "\n")
+        out.flush()
+
+    say(f"# python benchmarks/planner_calibration.py {' '.join(sys.argv[1:])}")
+    say(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load {load()}"
+    )
+    work = Path(args.reuse or tempfile.mkdtemp(prefix="offbeat-calibration-"))
+    if args.reuse:
+        say(f"runs: reused from {work} (nothing runs now; the predictions are recomputed)")
+    if args.profile:
+        path = Path(args.profile)
+        say(f"profile: {path} (measured earlier)")
+    else:
+        path = RESULTS / "planner_calibration_profile.json"
+        before = load()
+        t0 = time.perf_counter()
+        subprocess.run([*OFFBEAT, "profile", "separate_async", "--out", str(path)], check=True)
+        say(f"profile: offbeat profile separate_async -> {path.relative_to(ROOT)} "
+            f"({time.perf_counter() - t0:.0f}s, "
+            f"load {before} -> {load()})")  # fmt: skip
+    profile = Profile.load(path)
+    say("profile's own short run: " + " ".join(
+        f"{k}={profile.measured.get(k, float('nan')):.3f}" for k in KEYS))  # fmt: skip
+
+    results = []
+    for name in args.configs.split(","):
+        overrides = CONFIGS[name]
+        flags = short(args.steps, work / name)
+        # a reused run's recording exists already (the rule is for new runs)
+        checked = [f for f in flags if not (args.reuse and f.startswith("rollout.record."))]
+        _, cfg = load_recipe_config("separate_async", [*overrides, *checked])
+        pred = predict(cfg, profile, steps=args.steps)
+        say(f"[{name}] overrides: {' '.join(overrides) or '(none)'}")
+        say(f"[{name}] {pred.predict_line()}  (written before the run)")
+        before = load()
+        t0 = time.perf_counter()
+        if not args.reuse:
+            r = subprocess.run(
+                [*OFFBEAT, "run", "separate_async", *overrides, *flags],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if r.returncode != 0:
+                tail = r.stderr.strip().splitlines()[-3:]
+                say(f"[{name}] run failed (rc {r.returncode}): {tail}")
+                continue
+        elif not (work / name / "profile" / "metrics.jsonl").is_file():
+            say(f"[{name}] no run in {work / name}")
+            continue
+        wall = time.perf_counter() - t0
+        m = measured(work / name / "profile")
+        how = f"wall {wall:.0f}s, load {before} -> {load()}" if not args.reuse else "reused"
+        say(f"[{name}] measured: " + " ".join(f"{k}={m.get(k, float('nan')):.4f}" for k in KEYS)
+            + f"  ({m['steps']} steps, {how})")  # fmt: skip
+        trainer = dataclasses.replace(profile.trainer, run_level=1.0)
+        own = profile_from_run(cfg, work / name, trainer=trainer)
+        rep = predict(cfg, own, steps=args.steps)
+        say(f"[{name}] replayed on the run's own profile: {rep.predict_line()}")
+        results.append((name, {k: getattr(pred, k) for k in KEYS}, m,
+                        {k: getattr(rep, k) for k in KEYS}))  # fmt: skip
+
+    for title, col in (("predicted from the profile, before the run", 1),
+                       ("replayed on the run's own profile, after it", 3)):  # fmt: skip
+        say()
+        say(f"{title}:")
+        say("| config | step_s pred | step_s meas | err | trainer_idle pred | meas "
+            "| rollout_idle pred | meas | tokens/s pred | meas | err |")  # fmt: skip
+        say("|" + "---|" * 11)
+        for row in results:
+            name, p, m = row[0], row[col], row[2]
+            err = lambda k, p=p, m=m: (p[k] - m[k]) / m[k] * 100 if m.get(k) else float("nan")  # noqa: E731
+            say(f"| {name} | {p['step_s']:.3f} | {m['step_s']:.3f} | {err('step_s'):+.1f}% | "
+                f"{p['trainer_idle']:.3f} | {m['trainer_idle']:.3f} | {p['rollout_idle']:.3f} | "
+                f"{m['rollout_idle']:.3f} | {p['tokens_per_s']:.1f} | {m['tokens_per_s']:.1f} | "
+                f"{err('tokens_per_s'):+.1f}% |")  # fmt: skip
+    say(f"# load at the end {load()}")
+    _plot(results, RESULTS / "planner_calibration.png")
+    say("plot: benchmarks/results/planner_calibration.png")
+    return 0
+
+
+def _plot(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    for ax, key, label in zip(axes, ("step_s", "trainer_idle", "rollout_idle"),
+                              ("step time (s)", "trainer idle fraction", "rollout idle fraction"),
+                              strict=True):  # fmt: skip
+        xs = [row[2][key] for row in results]
+        ys = [row[1][key] for row in results]
+        zs = [row[3][key] for row in results]
+        ax.scatter(xs, ys, label="predicted (profile before the run)")
+        ax.scatter(xs, zs, marker="x", label="replayed (the run's own profile)")
+        for row, x, y in zip(results, xs, ys, strict=True):
+            ax.annotate(row[0], (x, y), fontsize="small")
+        hi = max([*xs, *ys, *zs, 1e-3]) * 1.15
+        ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="predicted = measured")
+        if key == "step_s":
+            ax.fill_between([0, hi], [0, hi * 0.85], [0, hi * 1.15], alpha=0.1, label="±15%")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.set_xlabel(f"measured {label}")
+        ax.set_ylabel(f"predicted {label}")
+        ax.legend(fontsize="small")
+    fig.suptitle("offbeat plan --predict against the default job's runs (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The simulator on cases with closed forms, and the staleness rules it takes from the
+real ReplayBuffer."""
+
+from __future__ import annotations
+
+import pytest
+
+from offbeat.planner import (
+    Profile,
+    RolloutProfile,
+    SimConfig,
+    SyncProfile,
+    TrainerPoint,
+    TrainerProfile,
+    ValidationProfile,
+    simulate,
+)
+
+INF_RATE = 1e12
+
+
+def profile(
+    *, rate: float = 1000.0, lengths=(4,), update_s: float = 0.5, opt_s: float = 0.0,
+    sync_s: float = 0.0, max_num_seqs: int = 10**6,
+) -> Profile:  # fmt: skip
+    """A flat tokens/s replica, a trainer whose update of 128 rows takes `update_s` at any
+    length (+ `opt_s`), a sync of `sync_s`."""
+    return Profile(
+        trainer=TrainerProfile(
+            points=[
+                TrainerPoint(
+                    seq_len=1, rows=128, forward_s=0.0, backward_s=update_s, optimizer_s=opt_s
+                ),
+                TrainerPoint(
+                    seq_len=10**6, rows=128, forward_s=0.0, backward_s=update_s, optimizer_s=opt_s
+                ),
+            ],
+        ),
+        rollout=RolloutProfile(
+            concurrency=[1.0, 1e9],
+            tokens_per_s=[rate, rate],
+            response_lengths=list(lengths),
+            max_num_seqs=max_num_seqs,
+        ),
+        sync=SyncProfile(bytes=0, abort_s=sync_s),
+        validation=ValidationProfile(prompts=0),
+    )
+
+
+def config(**kw) -> SimConfig:
+    base = dict(
+        steps=8, train_batch_size=32, n=8, ppo_mini_batch_size=16, parameter_sync_step=2,
+        max_tokens=10**6, max_concurrent_groups=10**6, prompt_len=0,
+    )  # fmt: skip
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def test_sync_equal_lengths_no_sync_cost_known_throughput():
+    # sync: generate the whole batch (32 x 8 x L tokens at R tok/s), then train (2 updates).
+    L, R, U = 5, 2000.0, 0.25
+    r = simulate(config(mode="sync"), profile(rate=R, lengths=[L], update_s=U))
+    gen = 32 * 8 * L / R
+    assert r.step_s == pytest.approx(gen + 2 * U, rel=1e-6)
+    assert r.tokens_per_s == pytest.approx(32 * 8 * L / (gen + 2 * U), rel=1e-6)
+    assert r.trainer_idle == pytest.approx(gen / (gen + 2 * U), rel=1e-6)
+    assert r.rollout_idle == pytest.approx(2 * U / (gen + 2 * U), rel=1e-6)
+    assert set(r.staleness) == {0}  # on-policy
+
+
+def test_async_trainer_bound_step_is_train_plus_sync():
+    # rollout much faster than training: step = train + sync, the trainer never waits
+    r = simulate(config(), profile(rate=1e6, lengths=[5], update_s=0.3, sync_s=0.1))
+    assert r.step_s == pytest.approx(2 * 0.3 + 0.1, rel=1e-6)
+    assert r.trainer_idle == pytest.approx(0.0, abs=1e-9)
+    # one batch ahead: trained one version behind, but for step 1's (made at version 0)
+    assert r.staleness == {0: 32 * 8, 1: 7 * 32 * 8}
+
+
+def test_infinitely_fast_trainer_gives_rollout_bound_steps():
+    L, R = 7, 1000.0
+    for mode in ("sync", "separate_async"):
+        # async: the two batches in flight share the replica and end together, so steps
+        # come in pairs (one waits for both, the next for none): average 8 steps after the first
+        r = simulate(config(mode=mode, steps=9), profile(rate=R, lengths=[L], update_s=0.0))
+        assert r.step_s == pytest.approx(32 * 8 * L / R, rel=1e-6), mode
+        assert r.tokens_per_s == pytest.approx(R, rel=1e-6), mode
+        assert r.rollout_idle == pytest.approx(0.0, abs=1e-6), mode
+        waited = sum(s.wait_s for s in r.steps[1:]) / sum(s.step_s for s in r.steps[1:])
+        assert waited == pytest.approx(1.0, abs=1e-6), mode  # the trainer only waits
+
+
+def test_infinitely_fast_rollout_gives_trainer_bound_steps():
+    for mode in ("sync", "separate_async"):
+        r = simulate(config(mode=mode), profile(rate=INF_RATE, update_s=0.4, opt_s=0.05))
+        assert r.step_s == pytest.approx(2 * (0.4 + 0.05), rel=1e-6), mode
+        assert r.trainer_idle == pytest.approx(0.0, abs=1e-6), mode
+
+
+def test_sync_pauses_rollout_and_resumes_partial_requests():
+    # A sync longer than the train phase: in-flight requests are paused (partial rollout)
+    # and finish after it, on the new version; nothing is lost.
+    r = simulate(
+        config(max_concurrent_groups=4), profile(rate=50.0, lengths=[20], update_s=0.01, sync_s=2)
+    )
+    assert r.counts["trained"] == 8 * 32
+    assert all(s.sync_s == pytest.approx(2.0) for s in r.steps)
+    # every step pays the sync; generation cannot run during it
+    gen = 32 * 8 * 20 / 50.0
+    assert r.step_s == pytest.approx(gen + 2.0, rel=0.02)
+
+
+def test_drop_evicts_only_beyond_the_span_bound():
+    # within the bound: fast rollout, equal lengths, depth 2 <= threshold 2: no eviction
+    calm = simulate(config(), profile(rate=1e6, lengths=[5], update_s=0.3))
+    assert calm.evictions == 0
+    assert max(calm.spans) <= 2
+    # a long tail with many groups in flight: some finish only after their span passed 2
+    tail = simulate(
+        config(steps=10, max_concurrent_groups=96, seed=1),
+        profile(rate=2000.0, lengths=[1] * 30 + [400], update_s=0.2, max_num_seqs=64),
+    )
+    assert tail.evictions > 0
+    assert min(tail.evicted_spans) > 2  # every evicted group had exceeded the bound
+    assert max(tail.spans) <= 2  # nothing beyond it was trained
+
+
+def test_wait_never_trains_beyond_the_bound():
+    for th in (1, 2, 3):
+        r = simulate(
+            config(
+                steps=10, max_off_policy_strategy="wait", max_off_policy_threshold=th,
+                num_warmup_batches=3, max_concurrent_groups=96, seed=2,
+            ),
+            profile(rate=2000.0, lengths=[1] * 30 + [400], update_s=0.2, max_num_seqs=64),
+        )  # fmt: skip
+        assert r.evictions == 0
+        assert max(r.spans) <= th, (th, r.spans)
+
+
+def test_hybrid_validation_holds_the_trainer_background_does_not():
+    p = profile(rate=1e6, lengths=[5], update_s=0.3)
+    p.validation = ValidationProfile(prompts=64, response_tokens=1000, hybrid_overhead_s=0.5)
+    bg = simulate(config(test_freq=2), p)
+    hy = simulate(config(test_freq=2, hybrid=True), p)
+    assert all(s.val_s == 0 for s in bg.steps)
+    val_steps = [s for s in hy.steps if s.step % 2 == 0]
+    assert all(s.val_s >= 0.5 for s in val_steps)
+    assert hy.step_s > bg.step_s
+
+
+def test_deterministic_for_a_seed():
+    p = profile(rate=3000.0, lengths=[1, 2, 3, 50], update_s=0.1)
+    a, b = simulate(config(seed=3), p), simulate(config(seed=3), p)
+    assert a.summary() == b.summary()
+
+
+def test_padded_batches_pay_for_the_longest_response_packed_ones_for_the_mean():
+    # per-row cost linear in length: 1 ms per token; responses 1 or 99 tokens
+    p = profile(rate=INF_RATE, lengths=[1, 99])
+    p.trainer.points = [
+        TrainerPoint(seq_len=10, rows=1, forward_s=0.0, backward_s=0.010, optimizer_s=0.0),
+        TrainerPoint(seq_len=100, rows=1, forward_s=0.0, backward_s=0.100, optimizer_s=0.0),
+    ]
+    rows = 16 * 8
+    pad = simulate(config(), p)
+    packed = simulate(config(layout="packed"), p)
+    assert all(s.train_s == pytest.approx(2 * rows * 0.099) for s in pad.steps)
+    mean = [s.train_s / (2 * rows * 0.001) for s in packed.steps]  # mean response length
+    assert all(30 < m < 70 for m in mean), mean
