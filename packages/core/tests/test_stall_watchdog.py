@@ -15,12 +15,13 @@ import threading
 import time
 
 import pytest
-from trainer_fakes import FakeEngine, Harness
+from trainer_fakes import FakeEngine, FakeServer, Harness
 
 from offbeat.core import progress
 from offbeat.core.progress import Progress
 from offbeat.core.rewards import register_reward
 from offbeat.core.tasks import make_rows
+from offbeat.core.trainer.replicas import Replacement
 from offbeat.core.trainer.watchdog import StallError, StallWatchdog, stall_report, stalled_stage
 
 
@@ -348,3 +349,32 @@ async def test_a_cancellation_swallowed_on_its_way_is_sent_again(tmp_path, monke
     h = Harness(tmp_path, engine=engine, stall_timeout_s=STALL_S)
     err, _ = await run_until_stall(h)
     assert err.stage == "update" and engine.swallowed == 1
+
+
+class SlowStart:
+    """A `Replacement.start` whose new replica takes `seconds` to come up."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    async def __call__(self, dead_id, new_id, dead):
+        await asyncio.sleep(self.seconds)
+        return FakeServer(new_id)
+
+
+async def test_a_replica_replacement_longer_than_the_timeout_does_not_trip_it(tmp_path):
+    # The only replica dies while step 2 trains: nothing can advance until its
+    # replacement is up, which takes longer than the timeout.
+    start = Replacement(SlowStart(1.5 * STALL_S), attempts=1, backoff_s=0.01)
+    h = Harness(tmp_path, total_training_steps=3, stall_timeout_s=STALL_S, replacement=start)
+    s0, real_update = h.servers["s0"], h.engine.update
+
+    def update(mini_batch):
+        if h.trainer.step == 2:
+            s0.dead = True
+        return real_update(mini_batch)
+
+    h.engine.update = update
+    summary = await h.run()
+    assert summary["steps"] == 3 and h.pool.replaced == {"s0": "s0-r1"}
+    assert not list((tmp_path / "logs" / "logs").glob("stall-*.txt"))
