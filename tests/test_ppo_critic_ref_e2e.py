@@ -25,6 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray, pytest.mark.ti
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from calibrated import CALIBRATED_WARM_START  # noqa: E402
+
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.trainer import CheckpointManager, CriticAndReference  # noqa: E402
 from offbeat.core.trainer.job import (  # noqa: E402
@@ -45,6 +47,7 @@ EV_GAIN = 0.05
 
 def overrides(tmp: Path, *extra: str) -> list[str]:
     return [
+        *CALIBRATED_WARM_START,  # what EV_GAIN was calibrated on (calibrated.py)
         "data.train_batch_size=8",
         "actor.ppo_mini_batch_size=4",
         "async_training.parameter_sync_step=2",
