@@ -37,6 +37,8 @@ SHORT = [
 def job(clone: Path, caches: Path) -> dict:
     env = {
         **os.environ,
+        # uv's download cache stays the machine's (an install, not a download, is timed)
+        "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR", str(Path.home() / ".cache" / "uv")),
         "OFFBEAT_CACHE_DIR": str(caches / "offbeat"),
         "XDG_CACHE_HOME": str(caches / "xdg"),
         "HF_HOME": str(caches / "hf"),
