@@ -21,7 +21,9 @@ def _fake(bin_dir: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def run_script(tmp_path: Path, *args: str, nvidia_smi: str | None, stack: str | None = None):
+def run_script(
+    tmp_path: Path, *args: str, nvidia_smi: str | None, stack: str | None = None, **extra_env
+):
     """Run ./offbeat with only a fake uv (and `nvidia_smi`'s script, if any) on top of a
     PATH that holds no real nvidia-smi or uv; return (process, the uv calls)."""
     bin_dir = tmp_path / "bin"
@@ -33,12 +35,14 @@ def run_script(tmp_path: Path, *args: str, nvidia_smi: str | None, stack: str | 
     # The system tools the script needs, without whatever else this machine has on PATH.
     tools = tmp_path / "tools"
     tools.mkdir(exist_ok=True)
-    for tool in ("bash", "env", "grep", "dirname", "cat"):
+    for tool in ("bash", "env", "grep", "dirname", "cat", "sha256sum", "cut"):
         found = shutil.which(tool)
         assert found, tool
         if not (tools / tool).exists():
             (tools / tool).symlink_to(found)
-    env = {"PATH": f"{bin_dir}:{tools}", "HOME": str(tmp_path)}
+    # the environment the script syncs (and stamps) is tmp_path's, never this checkout's .venv
+    env = {"PATH": f"{bin_dir}:{tools}", "HOME": str(tmp_path),
+           "UV_PROJECT_ENVIRONMENT": str(tmp_path / "venv"), **extra_env}  # fmt: skip
     if stack is not None:
         env["OFFBEAT_STACK"] = stack
     proc = subprocess.run(
@@ -79,6 +83,28 @@ def test_cpu_machine_syncs_the_default_cpu_stack(tmp_path):
     proc, calls = run_script(tmp_path, "recipes", nvidia_smi=None)
     assert proc.returncode == 0, proc.stderr
     assert calls == ["sync --frozen", "run --frozen --no-sync offbeat recipes"]
+
+
+def test_a_synced_environment_is_not_synced_again_until_its_inputs_change(tmp_path):
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    run = "run --frozen --no-sync offbeat recipes"
+    proc, calls = run_script(tmp_path, "recipes", nvidia_smi=None)
+    assert proc.returncode == 0, proc.stderr
+    assert calls == ["sync --frozen", run]
+    assert (venv / ".offbeat-synced").exists()
+    proc, calls = run_script(tmp_path, "recipes", nvidia_smi=None)  # same lock, same stack
+    assert calls == ["sync --frozen", run, run]
+    proc, calls = run_script(tmp_path, "recipes", nvidia_smi=None, stack="gpu")  # stack changed
+    assert calls[-2:] == ["sync --frozen --no-group cpu --group gpu", run]
+    proc, calls = run_script(
+        tmp_path, "recipes", nvidia_smi=None, stack="gpu", OFFBEAT_SYNC="always"
+    )
+    assert calls[-2:] == ["sync --frozen --no-group cpu --group gpu", run]
+    (venv / ".offbeat-synced").write_text("an older lock\n")
+    proc, calls = run_script(tmp_path, "recipes", nvidia_smi=None, stack="gpu")
+    assert calls[-2:] == ["sync --frozen --no-group cpu --group gpu", run]
 
 
 def test_unknown_stack_is_refused_before_anything_runs(tmp_path):
