@@ -199,27 +199,26 @@ def test_a_rank_that_never_joins_a_collective_is_named_by_the_stall_watchdog(
     assert "torch/distributed" not in dump[rank1:].split("=== actor")[1]
 
 
-class _Blocks:
-    """An async actor whose main event loop a call blocks (time.sleep in a coroutine)."""
-
-    async def block(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-    async def format_stacks(self) -> str:  # on the main loop: blocked with it
-        return process_stacks()
-
-
-class _BlocksButAnswers(_Blocks):
-    @diagnostics_method
-    async def format_stacks(self) -> str:  # on a loop of its own
-        return process_stacks()
-
-
 def test_actor_stacks_come_from_a_blocked_actor_in_the_diagnostics_group_only(ray_local):
     """What the stall watchdog asks the replicas: an async actor whose main loop is blocked
     answers with its stacks when the method runs in the diagnostics concurrency group (the
     vLLM replica actor's), and is named as not answering, within the timeout, otherwise."""
     import ray
+
+    # Defined here, so Ray ships them by value (the workers cannot import this module).
+    class _Blocks:
+        """An async actor whose main event loop a call blocks (time.sleep in a coroutine)."""
+
+        async def block(self, seconds: float) -> None:
+            time.sleep(seconds)
+
+        async def format_stacks(self) -> str:  # on the main loop: blocked with it
+            return process_stacks()
+
+    class _BlocksButAnswers(_Blocks):
+        @diagnostics_method
+        async def format_stacks(self) -> str:  # on a loop of its own
+            return process_stacks()
 
     answers = ray.remote(num_cpus=0, concurrency_groups=DIAGNOSTICS_GROUPS)(
         _BlocksButAnswers
