@@ -1,149 +1,325 @@
-"""Chaos soak (first cut): the default job with kills at seeded random steps, every prompt
-of the data order accounted for across the resumes, against the same job without kills.
+"""Chaos soak: the default job with kills at seeded random times, every prompt of the data
+order accounted for across the resumes, against the same job without kills.
 
-Kills (each at a step drawn from `--seed`):
-- trainer: the run dies after a step's update, before its weight sync (the step's work is
-  lost, as in a crash); the job is started again with `trainer.resume=true` from the
-  newest checkpoint (fresh replicas and trainer; Ray stays up), automatically;
-- replica: a rollout replica's actor is killed (`ray.kill`, its engine with it) a seeded
-  fraction of a second after a weight sync, mid-generation; the job replaces it.
-Not covered yet: hybrid replicas, OPD teachers, GenRM judges, a trainer rank of a
-multi-rank group (issue 31 item 3).
+Kills (each at a step drawn from `--seed`; each fires once over all attempts):
+- the job: the job's process (`offbeat run separate_async ...`) gets SIGKILL from this
+  script a seeded fraction of a second after its metrics file shows a planned step (the
+  step's work since the last checkpoint is lost, as in a crash of the machine's driver);
+  this script then runs `offbeat run separate_async ... trainer.resume=true`, which
+  resumes from the newest complete checkpoint (fresh Ray, replicas and trainer);
+- a rollout replica: its actor is killed (`ray.kill`: SIGKILL of the actor's process, its
+  vLLM engine core dies with it) a seeded fraction of a second after a weight sync,
+  mid-generation; the job replaces it;
+- a hybrid (validation) replica: killed while it answers a validation request leased to
+  it (`trainer.validate_on_trainer_devices=true` in both runs); the validation goes on on
+  the standalone replica, later validations without it.
+Not covered: OPD teachers and GenRM judges (their recipes build their models first, 6-12
+min each on 2 cores, and start one replica each, which nothing replaces yet).
 
-Prints the kills survived, prompts lost and duplicated (from the resumed run's prompt
-ledger, which raises on either), the ledger's counts, and the wall time against the same
-job without kills, from the same invocation.
+Each attempt is a process of its own running offbeat's command line (`offbeat.core.cli
+.main`, what `offbeat run` calls); in it this script only adds the replica and hybrid
+kills and, at the end, writes the prompt ledger's counts. Prints the kills survived, what
+the job said, prompts lost and duplicated (from the last run's ledger, which raises on
+either), the wall time against the same job without kills from the same invocation, and
+the load average (1 min, sampled every 5 s: min / median / max) over each run.
 
     uv run --frozen --no-sync python benchmarks/chaos_soak.py [--steps 100] [--seed 0]
-        [--trainer-kills 2] [--replica-kills 2] [--save-freq 5] [key=value ...]
+        [--job-kills 2] [--replica-kills 2] [--hybrid-kills 1] [--save-freq 5] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import signal
+import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-
-class Killed(Exception):
-    """The trainer died mid-step."""
-
-
-def plan(steps: int, seed: int, trainer_kills: int, replica_kills: int) -> tuple[list, list]:
-    rng = random.Random(seed)
-    trainer = sorted(rng.sample(range(2, steps), trainer_kills))
-    replica = sorted(
-        (s, rng.uniform(0.05, 1.0)) for s in rng.sample(range(1, steps), replica_kills)
-    )
-    return trainer, replica
+RECIPE = "separate_async"
+HYBRID = [  # validation on a hybrid replica beside the trainer, on this CPU machine
+    "trainer.validate_on_trainer_devices=true",
+    "runtime.ray_num_cpus=3",
+    "runtime.trainer_cpus=[]",
+    "runtime.rollout_cpus=[]",
+    "runtime.rollout_env={VLLM_CPU_OMP_THREADS_BIND: auto, VLLM_CPU_KVCACHE_SPACE: '1'}",
+]
 
 
-def patch_kills(trainer_at: list[int], replica_at: list[tuple[int, float]], log: list[str]):
-    """Make ReplicaPool.sync kill as planned; each kill fires once over every attempt."""
+def plan(args) -> dict:
+    rng = random.Random(args.seed)
+    steps, vals = args.steps, range(args.test_freq, args.steps, args.test_freq)
+    return {
+        "job": sorted((s, rng.uniform(0.05, 1.0)) for s in rng.sample(range(2, steps), args.job_kills)),
+        "replica": sorted(
+            (s, rng.uniform(0.05, 1.0)) for s in rng.sample(range(1, steps), args.replica_kills)
+        ),
+        "hybrid": sorted(rng.sample(list(vals), args.hybrid_kills)),
+    }  # fmt: skip
+
+
+# ---- inside an attempt's process -------------------------------------------------------
+def _fired(events: Path) -> list[dict]:
+    if not events.exists():
+        return []
+    return [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+
+
+def _event(events: Path, **e) -> None:
+    with events.open("a") as f:
+        f.write(json.dumps({"t": time.time(), **e}) + "\n")
+
+
+def child(plan_path: str, out_path: str, argv: list[str]) -> int:
+    """One attempt: `offbeat run ...` with the planned replica and hybrid kills that have
+    not fired yet in an earlier attempt; writes the last run's ledger counts to `out_path`."""
     import ray
 
+    from offbeat.core.cli import main as cli_main
+    from offbeat.core.trainer import job as job_module
     from offbeat.core.trainer.replicas import ReplicaPool
 
-    real_sync = ReplicaPool.sync
-    pending_trainer, pending_replica = list(trainer_at), dict(replica_at)
+    p = json.loads(Path(plan_path).read_text())
+    events = Path(p["events"])
+    done = _fired(events)
+    replica_at = {
+        s: d for s, d in p["replica"] if not any(e.get("replica_step") == s for e in done)
+    }
+    hybrid_at = [s for s in p["hybrid"] if not any(e.get("hybrid_step") == s for e in done)]
+    real_sync, real_with, real_job = (
+        ReplicaPool.sync, job_module.run_with_replicas, job_module.run_job,
+    )  # fmt: skip
+    validating: dict[str, int] = {}  # the step whose sync the trainer did last
 
     async def sync(self, named_tensors, version):
-        if version in pending_trainer:
-            pending_trainer.remove(version)
-            log.append(f"trainer killed at step {version} (after its update, before its sync)")
-            raise Killed(f"step {version}")
         result = await real_sync(self, named_tensors, version)
-        if version in pending_replica and self.servers:
-            delay = pending_replica.pop(version)
+        validating["version"] = version
+        if version in replica_at and self.servers:
+            delay = replica_at.pop(version)
             victim = sorted(self.servers)[0]
             handle = self.servers[victim].handle
 
             def kill() -> None:
                 ray.kill(handle)
-                log.append(f"replica {victim} killed {delay:.2f}s after the sync of v{version}")
+                _event(events, replica_step=version, what=f"replica {victim} killed "
+                       f"{delay:.2f} s after the sync of v{version}")  # fmt: skip
 
             asyncio.get_running_loop().call_later(delay, kill)
         return result
 
-    ReplicaPool.sync = sync
-    return lambda: setattr(ReplicaPool, "sync", real_sync)
+    async def kill_hybrids(hybrids: dict) -> None:
+        """At each planned step's validation, kill the hybrid replica while a validation
+        request is leased to it (awake, not paused, a request in flight)."""
+        while hybrid_at and hybrids:
+            step = hybrid_at[0]
+            sid = sorted(hybrids)[0]
+            while validating.get("version", 0) < step:
+                await asyncio.sleep(0.05)
+            try:
+                status = await hybrids[sid].status()
+            except Exception:
+                return  # gone already
+            if validating["version"] > step:
+                hybrid_at.pop(0)  # the run passed that validation without us seeing it
+                continue
+            if not status["paused"] and status["inflight"] > 0:
+                await asyncio.to_thread(ray.kill, hybrids[sid].handle)
+                _event(events, hybrid_step=hybrid_at.pop(0),
+                       what=f"hybrid replica {sid} killed while validating at step {step}")  # fmt: skip
+                hybrids = {k: v for k, v in hybrids.items() if k != sid}
+            await asyncio.sleep(0.02)
 
-
-def job(overrides: list[str]):
-    from offbeat.core.cli import load_recipe_config
-
-    return load_recipe_config("separate_async", ["runtime.progress_bar=false", *overrides])
-
-
-def run_until_done(overrides: list[str], log: list[str]) -> tuple[dict, int, float]:
-    """Run the job, restarting it with trainer.resume=true after each trainer kill.
-    Returns the last run's summary, the restarts, the wall time of all attempts."""
-    t0, restarts = time.perf_counter(), 0
-    while True:
-        module, cfg = job([*overrides, f"trainer.resume={'true' if restarts else 'false'}"])
+    async def run_with_replicas(p_, servers, **kw):
+        killer = asyncio.ensure_future(kill_hybrids(dict(kw.get("hybrids") or {})))
         try:
-            summary = asyncio.run(module.run_job(cfg))
-            return summary, restarts, time.perf_counter() - t0
-        except Killed:
-            restarts += 1
-            log.append(f"restart {restarts}: resuming from the newest checkpoint")
+            return await real_with(p_, servers, **kw)
+        finally:
+            killer.cancel()
+
+    async def run_job(cfg):
+        summary = await real_job(cfg)
+        led = summary["trainer"].buffer.core.prompts
+        s = summary["prompts"]
+        positions = [r.position for r in led.records()]
+        Path(out_path).write_text(json.dumps({
+            "steps": summary["steps"], "prompts": s,
+            "duplicated": len(positions) - len(set(positions)),
+            "lost": len(set(range(s["first_position"], s["next_position"])) - set(positions)),
+            "removed": summary["removed_replicas"], "replaced": summary["replaced_replicas"],
+            "hybrid_lost": summary["hybrid_lost"],
+            "val": summary["val_history"],
+        }))  # fmt: skip
+        return summary
+
+    ReplicaPool.sync = sync
+    job_module.run_with_replicas = run_with_replicas
+    job_module.run_job = run_job  # the recipe's main imports it after this
+    return cli_main(argv)
+
+
+# ---- the soak --------------------------------------------------------------------------
+class Load:
+    """The 1-minute load average every 5 s while a run goes."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(5):
+                return
+
+    def stop(self) -> str:
+        self._stop.set()
+        s = self.samples
+        return f"{min(s):.1f} / {statistics.median(s):.1f} / {max(s):.1f}"
+
+
+def _steps_logged(metrics: Path, skip: int) -> list[int]:
+    if not metrics.exists():
+        return []
+    lines = metrics.read_text().splitlines()[skip:]
+    rows = [json.loads(x) for x in lines if '"reward/mean"' in x and x.endswith("}")]
+    return [int(r["step"]) for r in rows]
+
+
+def _group_left(pgid: int) -> list[str]:
+    out = subprocess.run(
+        ["ps", "-o", "pid=,args=", "-g", str(pgid)], capture_output=True, text=True
+    )
+    return [x.strip()[:80] for x in out.stdout.splitlines() if x.strip()]
+
+
+def run_until_done(name: str, overrides: list[str], root: Path, p: dict, log: list[str]):
+    """Attempts of `offbeat run` until one ends; SIGKILL at each planned job kill.
+    Returns the last run's ledger counts, the restarts, the wall time, the load."""
+    exp = root / name
+    exp.mkdir(parents=True, exist_ok=True)
+    plan_path, out_path = exp / "plan.json", exp / "result.json"
+    events = exp / "events.jsonl"
+    plan_path.write_text(json.dumps({**p, "events": str(events)}))
+    metrics = root / name / "metrics.jsonl"
+    job_at = list(p["job"])
+    t0, restarts, load = time.perf_counter(), 0, Load()
+    while True:
+        argv = ["run", RECIPE, *overrides, f"trainer.resume={'true' if restarts else 'false'}"]
+        attempt_log = exp / f"attempt-{restarts}.log"
+        skip = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        with attempt_log.open("w") as f:
+            proc = subprocess.Popen(
+                [sys.executable, __file__, "child", str(plan_path), str(out_path), *argv],
+                stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        killed_at = None
+        while proc.poll() is None:
+            time.sleep(0.1)
+            if job_at and job_at[0][0] in _steps_logged(metrics, skip):
+                step, delay = job_at.pop(0)
+                time.sleep(delay)
+                os.kill(proc.pid, signal.SIGKILL)
+                killed_at = step
+                _event(events, job_step=step,
+                       what=f"job process SIGKILLed {delay:.2f} s after step {step} was logged")  # fmt: skip
+        proc.wait()
+        said = [x.strip() for x in attempt_log.read_text().splitlines()
+                if "resumed from" in x or "removed" in x or "replacement" in x]  # fmt: skip
+        log.extend(f"  [{name} attempt {restarts}] said: {x[:200]}" for x in said)
+        if killed_at is None:
+            if proc.returncode != 0:
+                raise SystemExit(f"{name}: attempt {restarts} failed (rc {proc.returncode}); "
+                                 f"see {attempt_log}")  # fmt: skip
+            break
+        # What outlived the job's process (Ray's reaper and vLLM's PDEATHSIG stop the
+        # rest); after 30 s, this script stops what is left of its process group.
+        deadline = time.monotonic() + 30
+        while (left := _group_left(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(1)
+        if left:
+            log.append(f"  {len(left)} processes of the killed job outlived it by 30 s: {left}")
+            os.killpg(proc.pid, signal.SIGKILL)
+        restarts += 1
+        log.append(f"  restart {restarts}: offbeat run {RECIPE} ... trainer.resume=true")
+    wall = time.perf_counter() - t0
+    for e in _fired(events):
+        log.append(f"  [{name}] {e['what']}")
+    return json.loads(out_path.read_text()), restarts, wall, load.stop(), _fired(events)
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        sys.exit(child(sys.argv[2], sys.argv[3], sys.argv[4:]))
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trainer-kills", type=int, default=2)
+    ap.add_argument("--job-kills", type=int, default=2)
     ap.add_argument("--replica-kills", type=int, default=2)
+    ap.add_argument("--hybrid-kills", type=int, default=1)
     ap.add_argument("--save-freq", type=int, default=5)
+    ap.add_argument("--test-freq", type=int, default=10)
+    ap.add_argument("--skip-baseline", action="store_true")
     args, extra = ap.parse_known_args()
     root = Path(tempfile.mkdtemp(prefix="chaos_soak-"))
-    common = [f"trainer.total_training_steps={args.steps}", *extra]
+    common = [
+        f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
+        f"trainer.save_freq={args.save_freq}", f"trainer.log_dir={root}",
+        "runtime.progress_bar=false", "trainer.loggers=[console,jsonl]",
+        *(HYBRID if args.hybrid_kills else []), *extra,
+    ]  # fmt: skip
 
     def named(name: str) -> list[str]:
-        return [
-            *common, f"trainer.log_dir={root}", f"trainer.experiment_name={name}",
-            f"trainer.checkpoint_dir={root / 'ckpt' / name}", f"trainer.save_freq={args.save_freq}",
-        ]  # fmt: skip
+        return [*common, f"trainer.experiment_name={name}",
+                f"trainer.checkpoint_dir={root / 'ckpt' / name}"]  # fmt: skip
 
-    base_log: list[str] = []
-    base, _, base_s = run_until_done(named("baseline"), base_log)
-
-    trainer_at, replica_at = plan(args.steps, args.seed, args.trainer_kills, args.replica_kills)
+    print(f"load average at the start: {os.getloadavg()} on {os.cpu_count()} CPUs", flush=True)
     log: list[str] = []
-    undo = patch_kills(trainer_at, replica_at, log)
-    try:
-        chaos, restarts, chaos_s = run_until_done(named("chaos"), log)
-    finally:
-        undo()
-    p = chaos["prompts"]  # the run's end already checked the ledger (it raises on a loss)
-    led = chaos["trainer"].buffer.core.prompts
-    positions = [r.position for r in led.records()]
-    duplicated = len(positions) - len(set(positions))
-    lost = len(set(range(p["first_position"], p["next_position"])) - set(positions))
+    none = {"job": [], "replica": [], "hybrid": []}
+    base = None
+    if not args.skip_baseline:
+        base = run_until_done("baseline", named("baseline"), root, none, log)
+        print(f"baseline done in {base[2]:.0f} s", flush=True)
+    p = plan(args)
+    chaos = run_until_done("chaos", named("chaos"), root, p, log)
     print("\n".join(log))
+
+    def row(what: str, r, kills: dict) -> str:
+        res, restarts, wall, load, _ = r
+        q = res["prompts"]
+        reasons = q["failed_by_reason"] or ""
+        return (
+            f"| {what} | {res['steps']} | {kills.get('job', 0)} | {kills.get('replica', 0)} | "
+            f"{kills.get('hybrid', 0)} | {restarts} | {q['drawn']} | {q['trained']} | "
+            f"{q['evicted']} | {q['failed']} {reasons} | {q['in_flight']} | {res['lost']} | "
+            f"{res['duplicated']} | {wall:.0f} | {load} |"
+        )
+
+    fired = chaos[4]
+    kills = {k: sum(f"{k}_step" in e for e in fired) for k in ("job", "replica", "hybrid")}
     print(
-        f"\n| run | steps | trainer kills | replica kills | restarts | prompts "
-        f"drawn | trained | evicted | failed | in flight | lost | duplicated | wall s |\n"
-        f"|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-        f"| baseline (no kills) | {base['steps']} | 0 | 0 | 0 | {base['prompts']['drawn']} | "
-        f"{base['prompts']['trained']} | {base['prompts']['evicted']} | "
-        f"{base['prompts']['failed']} | {base['prompts']['in_flight']} | 0 | 0 | {base_s:.0f} |\n"
-        f"| chaos | {chaos['steps']} | {len(trainer_at)} | "
-        f"{sum(x.startswith('replica') for x in log)} | "
-        f"{restarts} | {p['drawn']} | {p['trained']} | {p['evicted']} | {p['failed']} "
-        f"{p['failed_by_reason'] or ''} | {p['in_flight']} | {lost} | {duplicated} | "
-        f"{chaos_s:.0f} |"
+        "\n| run | steps | job SIGKILLs | replica kills | hybrid kills | restarts | prompts "
+        "drawn | trained | evicted | failed | in flight | lost | duplicated | wall s | "
+        "load min / median / max |\n|" + "---|" * 15
     )
+    if base is not None:
+        print(row("baseline (no kills)", base, {}))
+    print(row("chaos", chaos, kills))
+    q = chaos[0]["prompts"]
+    ratio = f"{chaos[2] / base[2]:.2f}x the run without kills; " if base is not None else ""
     print(
-        f"\noverhead {chaos_s / base_s:.2f}x the run without kills (restarts start the "
-        f"replicas and the trainer again); resumes {p['resumes']}, re-issued {p['reissued']}; "
-        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"\noverhead {ratio}resumes {q['resumes']}, re-issued {q['reissued']}; replicas "
+        f"removed {chaos[0]['removed']}, replaced {chaos[0]['replaced']}, hybrid lost "
+        f"{chaos[0]['hybrid_lost']}; validation {chaos[0]['val']}; planned {p}"
     )
+    print(f"load average at the end: {os.getloadavg()}; runs in {root}")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,30 @@ def test_stall_timeout_off_and_its_old_key():
         load_recipe_config("separate_async", ["runtime.stall_timeout_s=900"])
 
 
+@pytest.mark.parametrize(
+    ("overrides", "shorter"),
+    [
+        (["trainer.stall_timeout_s=120"], "runtime.sync_timeout_s"),  # default sync 300 s
+        (["trainer.stall_timeout_s=20", "runtime.sync_timeout_s=10"], "reward.timeout_s"),
+        (["trainer.stall_timeout_s=300"], "runtime.sync_timeout_s"),  # equal: a race
+    ],
+)
+def test_a_stall_timeout_not_longer_than_the_runs_deadlines_is_refused(overrides, shorter):
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async", overrides)
+    (problem,) = [p for p in info.value.problems if p.key == "trainer.stall_timeout_s"]
+    text = str(info.value)
+    assert problem.value == float(overrides[0].partition("=")[2])
+    assert "must be longer than the run's own deadlines, which must fire first" in text
+    sync = overrides[1].partition("=")[2] if len(overrides) > 1 else "300"
+    assert f"runtime.sync_timeout_s={sync} and reward.timeout_s=30" in text
+    assert f"(or lower {shorter})" in text and "or null / 0 (no stall watchdog)" in text
+    # above both it passes, and so does a watchdog that is off
+    _, cfg = load_recipe_config("separate_async", [*overrides[1:], "trainer.stall_timeout_s=301"])
+    assert cfg.trainer.stall_timeout_s == 301
+    load_recipe_config("separate_async", [*overrides, "trainer.stall_timeout_s=null"])
+
+
 def test_unknown_backend_lists_registered_ones():
     with pytest.raises(ConfigError, match="registered: fsdp2"):
         load_recipe_config("separate_async", ["actor.engine=megatronx"])

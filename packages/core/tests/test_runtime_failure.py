@@ -20,6 +20,7 @@ from trainer_fakes import Harness, check_accounting
 from offbeat.core.models import build_tiny_model
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerRankFailed
 from offbeat.core.runtime.group import split_by_tokens
+from offbeat.core.stacks import DIAGNOSTICS_GROUPS, actor_stacks, diagnostics_method, process_stacks
 from offbeat.core.trainer.watchdog import StallError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -186,3 +187,54 @@ def test_a_rank_that_never_joins_a_collective_is_named_by_the_stall_watchdog(
     assert "trainer group calls waiting for ranks: update: ranks [0] for" in text
     assert err.stacks is not None and err.stacks.is_file()
     assert took < 60  # named once the timeout passed, never waited out
+    # Each rank's own process gave its stacks too: rank 0 where it waits in the update's
+    # collective, rank 1 idle; the driver's come first.
+    assert "stacks of trainer rank 0, trainer rank 1 in the same file" in text
+    dump = err.stacks.read_text()
+    rank0 = dump.index("=== actor trainer rank 0\npid ")
+    rank1 = dump.index("=== actor trainer rank 1\npid ")
+    assert dump.index("--- thread MainThread") < rank0 < rank1
+    stuck = dump[rank0:rank1]
+    assert "in update" in stuck and "torch/distributed" in stuck, stuck[-3000:]
+    assert "torch/distributed" not in dump[rank1:].split("=== actor")[1]
+
+
+def test_actor_stacks_come_from_a_blocked_actor_in_the_diagnostics_group_only(ray_local):
+    """What the stall watchdog asks the replicas: an async actor whose main loop is blocked
+    answers with its stacks when the method runs in the diagnostics concurrency group (the
+    vLLM replica actor's), and is named as not answering, within the timeout, otherwise."""
+    import ray
+
+    # Defined here, so Ray ships them by value (the workers cannot import this module).
+    class _Blocks:
+        """An async actor whose main event loop a call blocks (time.sleep in a coroutine)."""
+
+        async def block(self, seconds: float) -> None:
+            time.sleep(seconds)
+
+        async def format_stacks(self) -> str:  # on the main loop: blocked with it
+            return process_stacks()
+
+    class _BlocksButAnswers(_Blocks):
+        @diagnostics_method
+        async def format_stacks(self) -> str:  # on a loop of its own
+            return process_stacks()
+
+    answers = ray.remote(num_cpus=0, concurrency_groups=DIAGNOSTICS_GROUPS)(
+        _BlocksButAnswers
+    ).remote()
+    silent = ray.remote(num_cpus=0)(_Blocks).remote()
+    ray.get([answers.__ray_ready__.remote(), silent.__ray_ready__.remote()])
+    blocked = [answers.block.remote(20), silent.block.remote(20)]
+    time.sleep(1)  # both loops are in time.sleep now
+    t0 = time.monotonic()
+    stacks = actor_stacks({"answers": answers, "silent": silent, "none": object()}, 3.0)
+    took = time.monotonic() - t0
+    assert list(stacks) == ["answers", "silent", "none"]
+    assert stacks["answers"].startswith("pid ") and "in block" in stacks["answers"]
+    assert stacks["silent"] == "(did not answer within 3 s)"
+    assert stacks["none"].startswith("(no stacks: AttributeError")
+    assert took < 10
+    for a in (answers, silent):
+        ray.kill(a)
+    del blocked

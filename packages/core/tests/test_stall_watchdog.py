@@ -22,7 +22,13 @@ from offbeat.core.progress import Progress
 from offbeat.core.rewards import register_reward
 from offbeat.core.tasks import make_rows
 from offbeat.core.trainer.replicas import Replacement
-from offbeat.core.trainer.watchdog import StallError, StallWatchdog, stall_report, stalled_stage
+from offbeat.core.trainer.watchdog import (
+    StallError,
+    StallWatchdog,
+    stall_report,
+    stalled_stage,
+    trainer_actors,
+)
 
 
 class Clock:
@@ -220,6 +226,75 @@ def test_off_or_unarmed_it_never_trips():
         assert not StallWatchdog(off, dump_dir=".").enabled
 
 
+# ---- the other processes' stacks ------------------------------------------------------
+def test_a_trip_appends_each_actors_stacks_and_names_the_silent_ones(tmp_path):
+    asked: list[float] = []
+
+    def remote_stacks(timeout_s: float) -> dict[str, str]:
+        asked.append(timeout_s)
+        return {
+            "trainer rank 0": "pid 11: ray::TrainerRank\n  File 'rank.py', in update\n",
+            "replica rollout-0": "(did not answer within 3 s)",
+        }
+
+    clock = Clock()
+    p = Progress(clock)
+    w = StallWatchdog(4.0, dump_dir=tmp_path, registry=p, remote_stacks=remote_stacks)
+    p.arm()
+    clock.t += 5
+    stage, report = w.check()
+    w._trip(stage, report)  # no loop armed: only the dump and the log
+    assert asked == [w.remote_timeout_s] and 2.0 <= w.remote_timeout_s <= 10.0
+    (dump,) = tmp_path.glob("stall-*.txt")
+    text = dump.read_text()
+    assert text.startswith("stall: nothing advanced")
+    own = text.index("--- thread MainThread")  # this process's first, then each actor's
+    rank = text.index("=== actor trainer rank 0\npid 11: ray::TrainerRank")
+    assert own < rank < text.index("=== actor replica rollout-0\n(did not answer within 3 s)")
+    assert w._actor_stacks(dump) == (
+        "stacks of trainer rank 0 in the same file; none from replica rollout-0 "
+        "(did not answer within 3 s)"
+    )
+
+
+def test_actors_that_fail_to_answer_do_not_keep_the_stop_from_the_run(tmp_path):
+    def broken(timeout_s: float) -> dict[str, str]:
+        raise ConnectionError("the cluster is gone")
+
+    w = StallWatchdog(4.0, dump_dir=tmp_path, remote_stacks=broken)
+    line = w._actor_stacks(tmp_path / "x.txt")
+    assert line == "(the actors' stacks failed: ConnectionError: the cluster is gone)"
+
+
+class _Handle:
+    def __init__(self, has: bool) -> None:
+        self.has = has
+
+    def __getattr__(self, name):
+        if name == "format_stacks" and self.has:
+            return object()
+        raise AttributeError(name)
+
+
+def test_trainer_actors_are_its_ranks_and_replicas_with_the_stacks_method():
+    from types import SimpleNamespace as NS
+
+    r0, r1, a, b, g, hy = (_Handle(True), _Handle(True), _Handle(True), _Handle(False),
+                           _Handle(True), _Handle(True))  # fmt: skip
+    trainer = NS(
+        engine=NS(handles=[r0, r1]),
+        pool=NS(servers={"rollout-0": NS(handle=a), "sglang-0": NS(handle=b),
+                         "local": object()}, guests={"guest-0": NS(handle=g)}),
+        hybrid=NS(servers={"hybrid-0": NS(handle=hy)}),
+    )  # fmt: skip
+    assert trainer_actors(trainer) == {
+        "trainer rank 0": r0, "trainer rank 1": r1, "replica rollout-0": a,
+        "replica guest-0": g, "replica hybrid-0": hy,
+    }  # fmt: skip
+    local = NS(engine=object(), pool=NS(servers={"s0": object()}, guests={}), hybrid=None)
+    assert trainer_actors(local) == {}  # an engine in this process, fake replicas
+
+
 # ---- the training loop on fakes ---------------------------------------------------------
 def rows_of(source: str, n: int = 64) -> list[dict]:
     rows = make_rows("reverse", n, seed=0)
@@ -318,6 +393,46 @@ async def test_a_coroutine_that_blocks_the_event_loop_is_reported_from_the_watch
     assert "in blocking_reward\n    time.sleep(" in text  # where the loop's thread is
     assert "the stalled stage is" in text  # the stages' report follows
     assert any("the event loop has run nothing" in r.getMessage() for r in caplog.records)
+
+
+BLOCKED_FOREVER = """
+import asyncio, logging, sys, time
+from offbeat.core.trainer.watchdog import StallWatchdog
+
+async def main():
+    watchdog = StallWatchdog(1.0, dump_dir=sys.argv[1], exit_after_s=2.0)
+    watchdog.arm()
+    time.sleep(300)  # a coroutine that never yields: nothing inside can stop it
+
+logging.basicConfig(level=logging.ERROR)
+asyncio.run(main())
+"""
+
+
+def test_a_loop_blocked_for_good_exits_the_process_after_the_report(tmp_path):
+    """The report and the stacks first; then, the loop still running nothing for
+    exit_after_s, the process exits with EXIT_BLOCKED instead of hanging."""
+    import subprocess
+    import sys
+
+    from offbeat.core.trainer.watchdog import EXIT_BLOCKED
+
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_FOREVER)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "logs")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert proc.returncode == EXIT_BLOCKED == 70, proc.stderr[-3000:]
+    err = proc.stderr
+    report = err.index("the event loop has run nothing for")
+    exit_line = err.index("nothing can stop the run from inside: the process exits with code 70")
+    assert report < exit_line and "in main\n    time.sleep(300)" in err[exit_line:]
+    (dump,) = (tmp_path / "logs").glob("stall-*.txt")  # written before the exit
+    assert "time.sleep(300)" in dump.read_text()
+    assert took < 100  # never the 300 s of the sleep
 
 
 async def test_a_checkpoint_save_longer_than_the_timeout_does_not_trip_it(tmp_path):

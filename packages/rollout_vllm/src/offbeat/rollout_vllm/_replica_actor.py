@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 
 from offbeat.core.cpus import pin_process, pin_threads, process_tree_cpus
+from offbeat.core.stacks import diagnostics_method, process_stacks
 from offbeat.rollout_vllm import _prestart, compat
 from offbeat.rollout_vllm._batching import Call, GenerateStream
 from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig
@@ -47,6 +48,14 @@ class VLLMReplicaActor(VLLMRolloutServer):
 
     async def close_generate(self, client_id: str) -> None:
         self._calls.close(client_id)
+
+    # ---- diagnostics ------------------------------------------------------------------
+    @diagnostics_method
+    async def format_stacks(self) -> str:
+        """This process's threads and asyncio tasks (the stall watchdog's dump asks for
+        them). It runs on an event loop of its own (a Ray concurrency group), so it
+        answers while a call blocks the actor's main loop."""
+        return process_stacks()
 
     # ---- placement ------------------------------------------------------------------
     def process_cpus(self) -> dict[int, tuple[str, list[int]]]:

@@ -33,9 +33,15 @@ def vllm_server_actor(config: Any, *, cpus: Sequence[int] | None = None, **ray_o
     """
     import ray
 
+    from offbeat.core.stacks import DIAGNOSTICS_GROUPS
     from offbeat.rollout_vllm._replica_actor import VLLMReplicaActor
 
-    options = {"num_cpus": 1, "max_concurrency": 100_000, **ray_options}
+    options = {
+        "num_cpus": 1,
+        "max_concurrency": 100_000,
+        "concurrency_groups": DIAGNOSTICS_GROUPS,  # format_stacks answers on a loop of its own
+        **ray_options,
+    }
     return ray.remote(**options)(VLLMReplicaActor).remote(config, list(cpus or []))
 
 

@@ -333,6 +333,32 @@ def _stall_timeout(cfg: Any, p: Problems) -> None:
             "must be seconds > 0 (stop the run when nothing advances that long) or null / 0 "
             "(no stall watchdog)",
         )
+        return
+    if not value:
+        return
+    # The run's own deadlines must fire first, so the run recovers (a sync's replica
+    # removed, a reward call failed) before the watchdog calls it stalled.
+    deadlines = {
+        key: d
+        for key, d in (
+            (
+                "runtime.sync_timeout_s",
+                getattr(getattr(cfg, "runtime", None), "sync_timeout_s", None),
+            ),
+            ("reward.timeout_s", getattr(getattr(cfg, "reward", None), "timeout_s", None)),
+        )
+        if isinstance(d, int | float) and not isinstance(d, bool) and d > 0
+    }
+    shorter = {key: d for key, d in deadlines.items() if value <= d}
+    if shorter:
+        named = " and ".join(f"{k}={d:g}" for k, d in deadlines.items())
+        p.add(
+            "trainer.stall_timeout_s",
+            value,
+            f"must be longer than the run's own deadlines, which must fire first: {named}; "
+            f"set it above {max(deadlines.values()):g} s (or lower {', '.join(shorter)}), "
+            "or null / 0 (no stall watchdog)",
+        )
 
 
 @check

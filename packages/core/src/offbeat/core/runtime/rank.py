@@ -123,6 +123,14 @@ class TrainerRank:
 
         return ray.get_runtime_context().get_node_id()
 
+    def format_stacks(self) -> str:
+        """This process's threads and tasks (the stall watchdog's dump asks for them). The
+        group's actor runs calls on several threads, so this answers while another of its
+        threads waits in a collective."""
+        from offbeat.core.stacks import process_stacks
+
+        return process_stacks()
+
     # ---- training ------------------------------------------------------------------------
     def update(self, shard: dict, temperature: float | None = None) -> dict[str, float]:
         return self.engine.update(shard, temperature)

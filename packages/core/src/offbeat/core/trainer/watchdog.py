@@ -25,12 +25,19 @@ with none of that, the watchdog trips:
    coroutine or callback that blocks it).
 2. From its own thread, it writes every thread's and every asyncio task's stack to
    `<dump_dir>/stall-<UTC time>-<pid>.txt` and logs the error, so both exist even when the
-   event loop itself is blocked (a coroutine that never yields).
+   event loop itself is blocked (a coroutine that never yields). With `remote_stacks`
+   (the trainer's: its rank actors and replica actors), it then asks each of those
+   processes for its own stacks, waiting at most `remote_timeout_s` for all of them, and
+   appends them to that file (an actor that does not answer is named as such).
 3. On the loop, it adds what the trainer knows (`context()`: each replica's weight
    version, the buffer, groups failed meanwhile, trainer ranks that have not answered)
    and cancels the trainer's task; `Trainer.run` then raises `StallError` with all of it.
+   A loop blocked for good never gets there: when it runs nothing for `exit_after_s`
+   after the report, the watchdog ends the process with `EXIT_BLOCKED` (70), its stacks
+   and the report already written.
 
-Knows nothing about engines or Ray: a clock, a registry and the lines `context()` gives.
+Knows nothing about engines or Ray: a clock, a registry, the lines `context()` gives and
+the text `remote_stacks()` gives (`for_trainer` wires both to the trainer's actors).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import threading
 import traceback
@@ -47,16 +55,18 @@ from typing import Any
 
 from offbeat.core import progress as _progress
 from offbeat.core.progress import STAGES, Progress, Snapshot, StageState
-from offbeat.core.stacks import dump_stacks
+from offbeat.core.stacks import STACKS_METHOD, actor_stacks, dump_stacks, format_actor_stacks
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EXIT_BLOCKED",
     "LIVE_STAGES",
     "StallError",
     "StallWatchdog",
     "stall_report",
     "stalled_stage",
+    "trainer_actors",
     "trainer_context",
 ]
 
@@ -64,6 +74,9 @@ __all__ = [
 LIVE_STAGES = frozenset({"buffer", "validation", "old_log_prob", "update", "sync"})
 TRAINER_STAGES = ("old_log_prob", "update", "sync")
 KEY = "trainer.stall_timeout_s"
+# The exit status of a process whose event loop stayed blocked after the stall report
+# (EX_SOFTWARE): the run could not be stopped from inside, so the process ends.
+EXIT_BLOCKED = 70
 
 
 class StallError(RuntimeError):
@@ -169,7 +182,10 @@ def stall_report(snap: Snapshot, timeout_s: float, replicas: list[str] = ()) -> 
 class StallWatchdog:
     """See the module docstring. `timeout_s` None or 0: off (arming does nothing).
     `dump_dir`: where the stack dump goes. `context()`: lines of what the trainer knows,
-    called on the event loop when tripped. `replicas()`: the replica ids to list."""
+    called on the event loop when tripped. `replicas()`: the replica ids to list.
+    `remote_stacks(timeout_s)`: name -> stack text of other processes (the actors'), called
+    from the watchdog's thread when tripped, bounded by `remote_timeout_s`. `exit_after_s`:
+    see the property."""
 
     def __init__(
         self,
@@ -179,12 +195,20 @@ class StallWatchdog:
         context: Callable[[], list[str]] | None = None,
         replicas: Callable[[], list[str]] | None = None,
         registry: Progress | None = None,
+        remote_stacks: Callable[[float], dict[str, str]] | None = None,
+        remote_timeout_s: float | None = None,
+        exit_after_s: float | None = None,
     ) -> None:
         self.timeout_s = timeout_s or None
         self.dump_dir = Path(dump_dir)
         self.context = context
         self.replicas = replicas
         self.progress = registry or Progress()
+        self.remote_stacks = remote_stacks
+        self._exit_after_s = exit_after_s
+        # Long enough for a loaded machine's actors to answer, short enough not to hold
+        # the stop much past the timeout.
+        self.remote_timeout_s = remote_timeout_s or min(10.0, max(2.0, (timeout_s or 0) / 2))
         self.error: StallError | None = None
         self._token: Any = None
         self._stop = threading.Event()
@@ -195,6 +219,12 @@ class StallWatchdog:
         self._beat: float | None = None  # when the loop last ran the heartbeat callback
 
     recancel_s = 5.0  # after tripping: how often the cancellation is sent again
+
+    @property
+    def exit_after_s(self) -> float:
+        """After tripping: how long a loop that runs nothing may stay so before the
+        process exits (`EXIT_BLOCKED`): the timeout again, at least 5 s."""
+        return self._exit_after_s or max(5.0, self.timeout_s or 0.0)
 
     @property
     def enabled(self) -> bool:
@@ -211,6 +241,7 @@ class StallWatchdog:
             dump_dir=Path(log_dir) / "logs",
             context=lambda: trainer_context(trainer),
             replicas=lambda: [*pool.servers, *pool.guests],
+            remote_stacks=lambda timeout_s: actor_stacks(trainer_actors(trainer), timeout_s),
         )
 
     # ---- arming ----------------------------------------------------------------------
@@ -292,9 +323,33 @@ class StallWatchdog:
                 break
         # Tripped: until the run raised the error (then it disarms), cancel again every
         # few seconds, in case the cancellation was swallowed on its way (a
-        # `suppress(CancelledError)` around an await it landed in).
-        while not self._stop.wait(self.recancel_s):
+        # `suppress(CancelledError)` around an await it landed in). A loop that runs
+        # none of it for `exit_after_s` (blocked for good: nothing can unwind the run)
+        # ends the process, after the report, with `EXIT_BLOCKED`.
+        tripped_at = self.progress.clock()
+        every = min(self.recancel_s, max(0.05, self.exit_after_s / 4))
+        while not self._stop.wait(every):
+            self._call_soon(self._heartbeat)
             self._call_soon(self._cancel_again)
+            now = self.progress.clock()
+            if now - max(tripped_at, self._beat or tripped_at) > self.exit_after_s:
+                self._exit_blocked(now - (self._beat or tripped_at))
+                return
+
+    def _exit_blocked(self, blocked_s: float) -> None:
+        logger.critical(
+            "stall watchdog: the event loop has run nothing for %.1f s, %.1f s after the "
+            "stall report above; nothing can stop the run from inside: the process exits "
+            "with code %d (a coroutine or callback blocks the loop, at:\n%s)",
+            blocked_s, self.exit_after_s, EXIT_BLOCKED, _thread_top(self._loop_thread),
+        )  # fmt: skip
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(EXIT_BLOCKED)
 
     def _call_soon(self, callback: Callable[..., None], *args: Any) -> None:
         loop = self._loop
@@ -313,11 +368,31 @@ class StallWatchdog:
             path = dump_stacks(self.dump_dir, "stall", header=report)
         except Exception as e:
             report += f"\n(stack dump to {self.dump_dir} failed: {type(e).__name__}: {e})"
+        actors = self._actor_stacks(path) if path is not None else ""
         where = f"\nstacks of every thread and asyncio task: {path}" if path else ""
-        logger.error("%s%s", report, where)
-        self._call_soon(self._stop_run, stage, report, path)
+        logger.error("%s%s%s", report, where, f"\n{actors}" if actors else "")
+        self._call_soon(self._stop_run, stage, report, path, actors)
 
-    def _stop_run(self, stage: str, report: str, path: Path | None) -> None:
+    def _actor_stacks(self, path: Path) -> str:
+        """Append the other processes' stacks to `path`; a line saying whose are there."""
+        if self.remote_stacks is None:
+            return ""
+        try:
+            stacks = self.remote_stacks(self.remote_timeout_s)
+        except Exception as e:  # the dump must not keep the run from stopping
+            return f"(the actors' stacks failed: {type(e).__name__}: {e})"
+        if not stacks:
+            return ""
+        with path.open("a") as f:
+            f.write(format_actor_stacks(stacks))
+        silent = [name for name, text in stacks.items() if text.startswith("(")]
+        got = [name for name in stacks if name not in silent]
+        line = f"stacks of {', '.join(got) or 'no actor'} in the same file"
+        if silent:
+            line += "; none from " + "; ".join(f"{n} {stacks[n]}" for n in silent)
+        return line
+
+    def _stop_run(self, stage: str, report: str, path: Path | None, actors: str = "") -> None:
         """On the loop: the trainer's context, the error, and the trainer task's cancel."""
         if self._token is None or self._task is None or self._task.done():
             return  # disarmed meanwhile: the run ended on its own
@@ -328,6 +403,7 @@ class StallWatchdog:
             except Exception as e:
                 extra = [f"(the trainer's context failed: {type(e).__name__}: {e})"]
         where = [f"stacks of every thread and asyncio task: {path}"] if path else []
+        where += [actors] if actors else []
         self.error = StallError("\n".join([report, *extra, *where]), stage, path)
         self._task.cancel(f"stall watchdog: {stage}")
 
@@ -365,3 +441,36 @@ def trainer_context(trainer: Any) -> list[str]:
     if callable(waiting) and (calls := waiting()):
         lines.append("trainer group calls waiting for ranks: " + "; ".join(calls))
     return lines
+
+
+def trainer_actors(trainer: Any) -> dict[str, Any]:
+    """name -> actor handle of each process of a `Trainer` that can give its stacks: the
+    trainer group's ranks (`trainer rank <i>`) and the replicas, hybrid ones included
+    (`replica <id>`; those with a handle that has the stacks method). Read from the
+    watchdog's thread: the dicts are copied, again if the loop changed one meanwhile."""
+    for _ in range(3):
+        try:
+            out = {
+                f"trainer rank {i}": h
+                for i, h in enumerate(getattr(trainer.engine, "handles", None) or [])
+            }
+            pool, hybrid = trainer.pool, getattr(trainer, "hybrid", None)
+            servers = {**pool.servers, **pool.guests, **(hybrid.servers if hybrid else {})}
+            break
+        except RuntimeError:  # a dict changed size while copied
+            continue
+    else:
+        return {}
+    for sid, server in servers.items():
+        handle = getattr(server, "handle", None)
+        if handle is not None and _has_method(handle, STACKS_METHOD):
+            out[f"replica {sid}"] = handle
+    return out
+
+
+def _has_method(handle: Any, name: str) -> bool:
+    try:
+        getattr(handle, name)
+    except Exception:  # an actor handle raises AttributeError for a method it lacks
+        return False
+    return True
