@@ -67,6 +67,16 @@ def needs_reference(algorithm: Any) -> bool:
     return algorithm.use_kl_loss is True or algorithm.use_kl_in_reward is True
 
 
+def replica_devices(cfg: Any) -> int:
+    """Devices one rollout replica takes: `rollout.tensor_parallel_size`, times its
+    engines for a prefill-decode replica whose engines have devices of their own."""
+    tp = cfg.rollout.tensor_parallel_size
+    pd = getattr(cfg.rollout, "pd", None)
+    if pd is not None and pd.enabled is True and pd.share_device is not True:
+        return tp * (pd.prefill_engines + pd.decode_engines)
+    return tp
+
+
 def separate_groups(cfg: Any) -> dict[str, Any]:
     """Role ("critic", "reference") -> its `devices` (ranks of its own worker group), for
     each model the algorithm reads and places in a group of its own (`placement=separate`);
