@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
-    ExampleConnector,
-    align_to_block_size,
-)
+from offbeat.rollout_vllm import compat
+
+ExampleConnector = compat.resolve(f"{compat.EXAMPLE_CONNECTOR}:ExampleConnector")
+align_to_block_size = compat.resolve(f"{compat.EXAMPLE_CONNECTOR}:align_to_block_size")
 
 __all__ = ["OffbeatSharedStorageConnector"]
 

@@ -33,7 +33,13 @@ from offbeat.core.config.schema import (
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import ADV_ESTIMATORS, DEVICES, KL_ESTIMATORS, TRAIN_ENGINES
 
-__all__ = ["critic_estimators", "needs_critic", "needs_reference", "separate_groups"]
+__all__ = [
+    "critic_estimators",
+    "needs_critic",
+    "needs_reference",
+    "replica_devices",
+    "separate_groups",
+]
 
 PLACEMENTS = ("actor", "separate")
 # The config section of each role that may run in a worker group of its own.
