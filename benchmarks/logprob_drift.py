@@ -38,7 +38,9 @@ SAME, ALL = "logprob_drift", "logprob_drift_all"
 
 def run_default_job(overrides: list[str]) -> tuple[Path, float]:
     from offbeat.core.cli import load_recipe_config
+    from offbeat.rollout_vllm.replica import register
 
+    register()  # also where the packages are on PYTHONPATH only (no entry points)
     module, cfg = load_recipe_config("separate_async", [*DEFAULTS, *overrides])
     summary = asyncio.run(module.run_job(cfg))
     return Path(summary["metrics"]), float(summary["total_wall_s"])

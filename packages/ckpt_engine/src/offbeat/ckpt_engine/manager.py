@@ -216,13 +216,25 @@ class CheckpointEngineManager:
     ) -> SendReport:
         names = list(pool)
         timeout = self.transfer_timeout_s
+        # A replica of several engines (`sync_receivers` > 1, e.g. a prefill-decode one)
+        # takes one rank per engine, and all of them in one `update_weights_ranks` call.
+        ranks: dict[str, list[int]] = {}
+        for name in names:
+            first = sum(len(r) for r in ranks.values())
+            ranks[name] = list(range(first, first + _receivers(pool[name])))
+        owner = {r: name for name, rs in ranks.items() for r in rs}
+        members = tuple(
+            name if len(rs) == 1 else f"{name}/{i}"
+            for name, rs in ranks.items()
+            for i in range(len(rs))
+        )
         sender = self._backend.open_sender(
             version=version,
-            num_receivers=len(names),
+            num_receivers=len(owner),
             bucket_bytes=self.bucket_bytes,
             checksum=self.checksum,
             timeout_s=self.wait_timeout_s,
-            members=tuple(names),
+            members=members,
         )
         if inspect.isawaitable(sender):  # a sender that lives in another process opens there
             sender = await sender
@@ -231,10 +243,14 @@ class CheckpointEngineManager:
         reasons: dict[str, str] = {}
         received: set[str] = set()
 
-        async def receive_one(rank: int, name: str) -> None:
+        async def receive_one(name: str) -> None:
             t0 = time.perf_counter()
+            own = ranks[name]
             try:
-                got = await pool[name].update_weights(sender.spec(rank))
+                if len(own) == 1:
+                    got = await pool[name].update_weights(sender.spec(own[0]))
+                else:
+                    got = await pool[name].update_weights_ranks([sender.spec(r) for r in own])
                 if got != version:
                     raise RuntimeError(
                         f"replica reported version {got} after a sync to version {version}"
@@ -242,12 +258,14 @@ class CheckpointEngineManager:
                 received.add(name)
             except Exception as e:
                 reasons[name] = f"transfer: {type(e).__name__}: {e}"
-                sender.drop(rank, reasons[name])
+                for rank in own:
+                    sender.drop(rank, reasons[name])
             finally:
                 span = ("transfer", t0, time.perf_counter())
                 result.replica_spans.setdefault(name, []).append(span)
 
-        recv_tasks = [asyncio.ensure_future(receive_one(r, n)) for r, n in enumerate(names)]
+        recv_tasks = [asyncio.ensure_future(receive_one(n)) for n in names]
+        task_of = dict(zip(names, recv_tasks, strict=True))
         deadline = time.monotonic() + timeout
         await asyncio.wait([send_task], timeout=timeout)
         if send_task.done() and not send_task.cancelled() and send_task.exception() is not None:
@@ -255,10 +273,11 @@ class CheckpointEngineManager:
             sender.abort(f"sender failed: {type(err).__name__}: {err}")  # unblock receivers
         if send_task.done() and not send_task.cancelled() and send_task.exception() is None:
             # Receivers the sender gave up on are failed already; stop waiting for them.
-            for rank, task in enumerate(recv_tasks):
-                if rank in send_task.result().failed and not task.done():
+            for rank, why in send_task.result().failed.items():
+                task = task_of[owner[rank]]
+                if not task.done():
                     task.cancel()
-                    reasons.setdefault(names[rank], f"transfer: {send_task.result().failed[rank]}")
+                    reasons.setdefault(owner[rank], f"transfer: {why}")
         _done, pending = await asyncio.wait(
             [send_task, *recv_tasks], timeout=max(0.0, deadline - time.monotonic())
         )
@@ -279,14 +298,23 @@ class CheckpointEngineManager:
                     reasons[name] = f"transfer: sender failed: {type(err).__name__}: {err}"
             else:
                 report = send_task.result()
-        for rank, name in enumerate(names):
+        for name in names:
             if name in received:
                 # The receiver saw the whole stream, end marker and bucket count included;
                 # trouble the sender had with other members does not undo that.
                 continue
+            failed = [report.failed[r] for r in ranks[name] if r in report.failed]
             result.failed[name] = reasons.get(name) or (
-                f"transfer: {report.failed[rank]}"
-                if rank in report.failed
-                else "transfer: did not complete"
+                f"transfer: {failed[0]}" if failed else "transfer: did not complete"
             )
         return report
+
+
+def _receivers(target: SyncTarget) -> int:
+    """How many receivers `target` is in a sync: 1, or its `sync_receivers` (one per
+    engine of a replica made of several, which then receives through
+    `update_weights_ranks(specs)`)."""
+    n = getattr(target, "sync_receivers", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"sync_receivers={n!r}: expected an int >= 1")
+    return n

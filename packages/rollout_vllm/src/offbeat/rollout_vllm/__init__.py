@@ -10,6 +10,7 @@ from offbeat.rollout_vllm import _prestart
 _prestart.prestart()  # a CPU replica's actor: before vLLM's import below (see _prestart)
 
 from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor  # noqa: E402
+from offbeat.rollout_vllm.pd import PDRolloutServer, pd_servers  # noqa: E402
 from offbeat.rollout_vllm.server import (  # noqa: E402
     WORKER_EXTENSION,
     VLLMRolloutServer,
@@ -18,8 +19,11 @@ from offbeat.rollout_vllm.server import (  # noqa: E402
 
 __all__ = [
     "WORKER_EXTENSION",
+    # a prefill-decode replica (pd.py)
+    "PDRolloutServer",
     "RemoteRolloutServer",
     "VLLMRolloutServer",
     "VLLMServerConfig",
+    "pd_servers",
     "vllm_server_actor",
 ]

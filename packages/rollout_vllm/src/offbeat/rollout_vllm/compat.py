@@ -26,6 +26,7 @@ from packaging.version import InvalidVersion, Version
 
 __all__ = [
     "API",
+    "EXAMPLE_CONNECTOR",
     "LAYERWISE_RELOAD_LOGGER",
     "REQUEST_ERRORS",
     "SUPPORTED",
@@ -249,6 +250,11 @@ def sleep_mode_available() -> bool:
     """Whether this platform has vLLM's sleep mode (CUDA, ROCm, XPU; not CPU)."""
     return bool(_current_platform.is_sleep_mode_available())
 
+
+# The shared-storage example connector (`ExampleConnector`, once `SharedStorageConnector`;
+# 0.24 to 0.32), which `_kv_connector.py` subclasses for prefill-decode replicas. Resolved
+# there, in vLLM's engine processes: importing it here would load it in every process.
+EXAMPLE_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
 
 # vLLM reads it at engine start (vllm/platforms/cpu.py, all releases in the range).
 ONE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"

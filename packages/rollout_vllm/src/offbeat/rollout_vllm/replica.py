@@ -72,7 +72,10 @@ def replica_cpus(
     if cpus is None:
         if not rt.rollout_cpus:
             return [], env
-        cpus = share_of(list(rt.rollout_cpus), job.resources.rollout_devices // tp, index)
+        from offbeat.core.config.support import replica_devices
+
+        replicas = job.resources.rollout_devices // replica_devices(job)
+        cpus = share_of(list(rt.rollout_cpus), replicas, index)
     if not cpus:
         return [], env
     if job.resources.device != "cpu":
@@ -102,13 +105,22 @@ def vllm_replica(
     *,
     server_id: str | None = None,
     cpus: list[int] | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
     **ray_options: Any,
 ) -> Any:
     """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor;
     `ray_options` (e.g. the `scheduling_strategy` of its bundle in the job's rollout
     pool, or a hybrid replica's place and share in the trainer pool) go to the actor.
     `server_id`: its name (default `rollout-<index>`; replacements and hybrid replicas
-    have their own); `cpus`: its cores (default: its share of `runtime.rollout_cpus`)."""
+    have their own); `cpus`: its cores (default: its share of `runtime.rollout_cpus`);
+    `engine_kwargs`: vLLM's arguments (default: `engine_kwargs_of(job)`). With
+    `rollout.pd.enabled` the replica is a prefill-decode one (`pd.py`): one actor per
+    engine behind a `PDRolloutServer`."""
+    pd = getattr(job.rollout, "pd", None)
+    if engine_kwargs is None and pd is not None and pd.enabled:
+        from offbeat.rollout_vllm.pd import pd_replica
+
+        return pd_replica(job, model_path, index, server_id=server_id, cpus=cpus, **ray_options)
     from offbeat.core.process_log import replica_log_env, replica_log_path
     from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor
     from offbeat.rollout_vllm.server import VLLMServerConfig
@@ -119,7 +131,7 @@ def vllm_replica(
         # The engine core forks from a server that imports vLLM while the actor does (CPU
         # only, where it was measured: engine start 36 s -> 18 s; see _prestart.py).
         env.setdefault(PRESTART_ENV, "1")
-    engine_kwargs = engine_kwargs_of(job)
+    engine_kwargs = engine_kwargs_of(job) if engine_kwargs is None else dict(engine_kwargs)
     if "scheduling_strategy" in ray_options and job.rollout.tensor_parallel_size > 1:
         # In a placement group vLLM would pick its Ray executor, which wants a bundle per
         # worker; the replica's bundle holds all its devices: its own processes use them.

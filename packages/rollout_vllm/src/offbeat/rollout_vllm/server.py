@@ -228,6 +228,11 @@ class VLLMRolloutServer:
         result = self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
         # Prompt tokens served from the prefix cache (multi-turn sessions reuse theirs).
         result.extra["num_cached_tokens"] = int(getattr(out, "num_cached_tokens", 0) or 0)
+        # When the first token reached this process (wall clock; with vLLM's stats on):
+        # time to first token, for the benchmarks.
+        metrics = out.metrics
+        if getattr(metrics, "first_token_latency", 0):
+            result.extra["first_token_time"] = metrics.arrival_time + metrics.first_token_latency
         return result
 
     async def generate_group(

@@ -25,6 +25,7 @@ __all__ = [
     "JobConfig",
     "KLControlConfig",
     "ModelConfig",
+    "PDConfig",
     "RecordConfig",
     "ReferenceConfig",
     "ReplayConfig",
@@ -168,6 +169,25 @@ class ReplayConfig:
 
 
 @dataclass
+class PDConfig:
+    """Prefill-decode disaggregation (vLLM): each replica is `prefill_engines` P engines
+    and `decode_engines` D engines; a request prefills on a P engine, whose KV cache goes
+    to a D engine through `connector`, which decodes. The balancer sees one replica."""
+
+    enabled: bool = False
+    prefill_engines: int = 1
+    decode_engines: int = 1
+    connector: str = "shared_storage"  # vLLM's shared-storage example connector
+    # All engines of a replica on its tensor_parallel_size devices, splitting their memory
+    # (each engine's gpu_memory_utilization is its share); false: each engine on devices
+    # of its own, a replica then takes (prefill_engines + decode_engines) x tp devices.
+    share_device: bool = False
+    # Where the connector keeps KV caches (one folder per replica below it); a local path
+    # that every engine of a replica sees. null: a folder under /dev/shm.
+    storage_path: str | None = None
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "vllm"  # a name in ROLLOUT_ENGINES
     tensor_parallel_size: int = 1
@@ -183,6 +203,7 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the engine as is
     record: RecordConfig = field(default_factory=RecordConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
 
 
 @dataclass

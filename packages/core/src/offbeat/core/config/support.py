@@ -33,7 +33,13 @@ from offbeat.core.config.schema import (
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import ADV_ESTIMATORS, DEVICES, KL_ESTIMATORS, TRAIN_ENGINES
 
-__all__ = ["critic_estimators", "needs_critic", "needs_reference", "separate_groups"]
+__all__ = [
+    "critic_estimators",
+    "needs_critic",
+    "needs_reference",
+    "replica_devices",
+    "separate_groups",
+]
 
 PLACEMENTS = ("actor", "separate")
 # The config section of each role that may run in a worker group of its own.
@@ -65,6 +71,16 @@ def critic_estimators() -> list[str]:
 def needs_reference(algorithm: Any) -> bool:
     """True when a KL term reads reference log-probs (as a loss or in the reward)."""
     return algorithm.use_kl_loss is True or algorithm.use_kl_in_reward is True
+
+
+def replica_devices(cfg: Any) -> int:
+    """Devices one rollout replica takes: `rollout.tensor_parallel_size`, times its
+    engines for a prefill-decode replica whose engines have devices of their own."""
+    tp = cfg.rollout.tensor_parallel_size
+    pd = getattr(cfg.rollout, "pd", None)
+    if pd is not None and pd.enabled is True and pd.share_device is not True:
+        return tp * (pd.prefill_engines + pd.decode_engines)
+    return tp
 
 
 def separate_groups(cfg: Any) -> dict[str, Any]:

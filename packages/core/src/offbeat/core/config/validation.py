@@ -283,6 +283,62 @@ def _rollout(cfg: Any, p: Problems) -> None:
     p.require_int("data.max_prompt_length", cfg.data.max_prompt_length)
 
 
+# rollout.pd.connector: the KV connectors a prefill-decode replica can use (vLLM's).
+PD_CONNECTORS = ("shared_storage",)
+
+
+@check
+def _rollout_pd(cfg: Any, p: Problems) -> None:
+    pd = getattr(cfg.rollout, "pd", None)
+    if pd is None:
+        return
+    for key in ("enabled", "share_device"):
+        if not isinstance(getattr(pd, key), bool):
+            p.add(f"rollout.pd.{key}", getattr(pd, key), "must be true or false")
+    if pd.enabled is not True:
+        return
+    if cfg.rollout.engine != "vllm":
+        p.add("rollout.engine", cfg.rollout.engine, "must be vllm with rollout.pd.enabled=true")
+    ok = p.require_int("rollout.pd.prefill_engines", pd.prefill_engines)
+    ok = p.require_int("rollout.pd.decode_engines", pd.decode_engines) and ok
+    p.require_choice("rollout.pd.connector", pd.connector, PD_CONNECTORS)
+    if pd.storage_path is not None and (
+        not isinstance(pd.storage_path, str) or not pd.storage_path.strip()
+    ):
+        p.add("rollout.pd.storage_path", pd.storage_path, "must be null or a directory path")
+    r, tp = cfg.resources, cfg.rollout.tensor_parallel_size
+    if r.device != "cuda":
+        p.add(
+            "resources.device",
+            r.device,
+            "must be cuda with rollout.pd.enabled=true (prefill-decode replicas run on CUDA vLLM)",
+        )
+    if not ok or type(tp) is not int or tp < 1 or type(r.rollout_devices) is not int:
+        return
+    engines = pd.prefill_engines + pd.decode_engines
+    if pd.share_device is True:
+        util = cfg.rollout.engine_kwargs.get("gpu_memory_utilization")
+        top = round(0.95 / engines, 3)
+        if not isinstance(util, int | float) or isinstance(util, bool) or util * engines > 0.95:
+            p.add(
+                "rollout.engine_kwargs.gpu_memory_utilization",
+                util,
+                f"must be set, at most 0.95 / {engines} = {top}, with rollout.pd.share_device=true: "
+                f"the {engines} engines of a PD replica share its devices",
+            )
+        return
+    need = engines * tp
+    if r.rollout_devices % need:
+        p.add(
+            "resources.rollout_devices",
+            r.rollout_devices,
+            f"must be a multiple of (rollout.pd.prefill_engines + rollout.pd.decode_engines) x "
+            f"rollout.tensor_parallel_size = {need} (each engine of a PD replica on devices "
+            "of its own), or set rollout.pd.share_device=true (the engines share the "
+            "replica's devices)",
+        )
+
+
 @check
 def _model_and_trainer(cfg: Any, p: Problems) -> None:
     if not isinstance(cfg.model.path, str) or not cfg.model.path.strip():

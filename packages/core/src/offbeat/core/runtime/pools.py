@@ -83,7 +83,7 @@ def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
     the driver and reserves nothing. With a trainer pool and `runtime.share_trainer_gpu`
     (one rank and one replica on one GPU; the config checks say when) the trainer bundle
     and the rollout bundle each hold `SHARED_DEVICE_BUNDLE` of that GPU."""
-    r, rt, tp = cfg.resources, cfg.runtime, cfg.rollout.tensor_parallel_size
+    r, rt = cfg.resources, cfg.runtime
     out = []
     device = SHARED_DEVICE_BUNDLE if trainer and getattr(rt, "share_trainer_gpu", False) else 1
     if trainer:
@@ -92,9 +92,11 @@ def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
             cpus += rt.rollout_num_cpus  # the rank's hybrid replica shares its bundle
         shape = _bundle(r.device, device, cpus, rt.trainer_resources)
         out.append(PoolSpec("trainer", r.trainer_devices, shape))
-    shape = _bundle(r.device, tp * device, rt.rollout_num_cpus, rt.rollout_resources)
-    out.append(PoolSpec("rollout", r.rollout_devices // tp, shape))
-    from offbeat.core.config.support import separate_groups
+    from offbeat.core.config.support import replica_devices, separate_groups
+
+    per_replica = replica_devices(cfg)  # tp, or a prefill-decode replica's engines x tp
+    shape = _bundle(r.device, per_replica * device, rt.rollout_num_cpus, rt.rollout_resources)
+    out.append(PoolSpec("rollout", r.rollout_devices // per_replica, shape))
 
     for role, devices in separate_groups(cfg).items():  # "critic", "reference"
         shape = _bundle(r.device, 1, rt.trainer_num_cpus, rt.trainer_resources)

@@ -548,7 +548,9 @@ def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
     each in its bundle of `pools`' rollout pool when given."""
     cfg = p.cfg
     factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
-    n = cfg.resources.rollout_devices // cfg.rollout.tensor_parallel_size
+    from offbeat.core.config.support import replica_devices
+
+    n = cfg.resources.rollout_devices // replica_devices(cfg)
     model = str(p.model_dir)
     return {f"rollout-{i}": factory(cfg, model, i, **replica_options(pools, i)) for i in range(n)}
 
