@@ -24,6 +24,7 @@ __all__ = [
     "VisionPrompt",
     "encode_vision_prompt",
     "has_vision",
+    "load_processor",
     "png_bytes",
     "vision_model_kwargs",
 ]
@@ -61,6 +62,23 @@ def png_bytes(image: Any) -> bytes:
 def has_vision(processor: Any) -> bool:
     """Whether `processor` (an AutoProcessor result, or a tokenizer) processes images."""
     return getattr(processor, "image_processor", None) is not None
+
+
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def load_processor(model_dir: Any, trust_remote_code: bool = False) -> Any | None:
+    """The model's AutoProcessor when `model_dir` (a local directory) has one that
+    processes images; None for a text model (or a hub name, which is not looked up)."""
+    from pathlib import Path
+
+    d = Path(str(model_dir))
+    if not any((d / f).is_file() for f in _PROCESSOR_FILES):
+        return None
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(d), trust_remote_code=trust_remote_code)
+    return processor if has_vision(processor) else None
 
 
 def encode_vision_prompt(

@@ -577,6 +577,7 @@ async def run_with_replicas(
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.agent.loops import build_agent
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
+    from offbeat.core.data.vision import load_processor
     from offbeat.core.rewards.genrm_replicas import start_judge, validation_agent
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
@@ -607,8 +608,15 @@ async def run_with_replicas(
                 own_pools.remove()
             raise
     engine = side.engine
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
+    # A vision-language model's processor renders and tokenises rows with images.
+    processor = load_processor(p.model_dir, cfg.model.trust_remote_code)
+    tokenizer = (
+        processor.tokenizer
+        if processor is not None and not cfg.model.tokenizer_path
+        else AutoTokenizer.from_pretrained(
+            cfg.model.tokenizer_path or str(p.model_dir),
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
     )
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
     judge_hook = await start_judge(cfg, judges or {})  # None unless reward.name=genrm
@@ -639,6 +647,7 @@ async def run_with_replicas(
             cfg.agent, client, tokenizer, rewards, base_sampling(cfg),
             prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
             on_engine_error=pool.on_engine_error,
+            **({"processor": processor} if processor is not None else {}),
         )  # fmt: skip
         loader = PromptDataLoader(
             p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
