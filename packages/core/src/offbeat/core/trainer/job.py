@@ -208,17 +208,30 @@ def wants_warm_start(cfg: RunConfig) -> bool:
     ws = cfg.warm_start
     if ws.steps <= 0 or ws.enabled is False:
         return False
-    return ws.enabled is True or cfg.model.path.startswith(TINY_PREFIX)
+    return (
+        ws.enabled is True or cfg.model.path.startswith(TINY_PREFIX) or _is_tiny_vlm(cfg.model.path)
+    )
+
+
+def _is_tiny_vlm(path: str) -> bool:
+    from offbeat.core.models.tiny_vlm import TINY_VLM_PREFIX
+
+    return path == TINY_VLM_PREFIX
 
 
 def resolve_model(path: str, cache_dir: Path) -> Path:
-    """`offbeat-tiny:<size>` builds (or reuses) a tiny model; anything else is a path."""
+    """`offbeat-tiny:<size>` builds (or reuses) a tiny model, `offbeat-tiny-vl` the tiny
+    vision-language model; anything else is a path."""
     if path.startswith(TINY_PREFIX):
         from offbeat.core.models import build_tiny_model
 
         size = path[len(TINY_PREFIX) :]
         # Normal init: the warm start and RL train it (0.3 is for untrained demos).
         return build_tiny_model(cache_dir / f"tiny-{size}", size, initializer_range=0.02)
+    if _is_tiny_vlm(path):  # the tiny Qwen2-VL and its processor
+        from offbeat.core.models import build_tiny_vlm
+
+        return build_tiny_vlm(cache_dir / "tiny-vl", initializer_range=0.02)
     return Path(path)
 
 
@@ -231,6 +244,11 @@ def resolve_data(cfg: RunConfig, out_dir: Path) -> tuple[list[str], list[str]]:
 
     t = cfg.task
     d = Path(t.out_dir) if t.out_dir else out_dir / f"{t.name}-{t.seed}-{t.min_len}-{t.max_len}"
+    if t.name == "shapes":  # the visual task: images of squares, count or colour
+        from offbeat.core.tasks.visual import write_visual_task_files
+
+        tr, va = write_visual_task_files(d, n_train=t.n_train, n_val=t.n_val, seed=t.seed)
+        return [str(tr)], val or [str(va)]
     tr, va = write_task_files(
         d,
         t.name,
