@@ -42,7 +42,9 @@ __all__ = [
     "api_for",
     "check_names",
     "engine_core_context",
+    "image_placeholder_ids",
     "layerwise_reload",
+    "multi_modal_prompt",
     "one_process_engine",
     "pause_engine",
     "resolve",
@@ -255,6 +257,45 @@ def sleep_mode_available() -> bool:
 # 0.24 to 0.32), which `_kv_connector.py` subclasses for prefill-decode replicas. Resolved
 # there, in vLLM's engine processes: importing it here would load it in every process.
 EXAMPLE_CONNECTOR = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
+
+
+def image_placeholder_ids(model_config: Any) -> tuple[int, int] | None:
+    """(image token id, vision-start token id) of a Qwen2-VL-style model, or None."""
+    hf = getattr(model_config, "hf_config", None)
+    image, start = getattr(hf, "image_token_id", None), getattr(hf, "vision_start_token_id", None)
+    return None if image is None or start is None else (int(image), int(start))
+
+
+def multi_modal_prompt(
+    ids: list[int], images: list[Any], placeholders: tuple[int, int] | None
+) -> Any:
+    """A `TokensPrompt` of `ids` with `images` (PIL) as its `multi_modal_data`.
+
+    `ids` hold each image's placeholder widened to the image's tokens, as the model's
+    processor writes them (and as the trainer sees them). vLLM 0.32 widens the
+    placeholders of a tokens prompt itself and does not notice they already are
+    (a prompt given widened comes out widened twice): each run of image tokens that
+    follows a vision-start token is given as one token, which vLLM widens back to the
+    same ids. Raises ValueError when the runs and the images differ in number."""
+    if placeholders is None:
+        raise ValueError("images were given but the model has no image placeholder token")
+    image, start = placeholders
+    out: list[int] = []
+    runs, in_run = 0, False
+    for i, t in enumerate(ids):
+        if t == image and i and ids[i - 1] == start:
+            runs, in_run = runs + 1, True
+        elif t == image and in_run:
+            continue  # the rest of a widened run
+        else:
+            in_run = False
+        out.append(t)
+    if runs != len(images):
+        raise ValueError(
+            f"the prompt has {runs} image placeholder(s) but {len(images)} image(s) were given"
+        )
+    return TokensPrompt(prompt_token_ids=out, multi_modal_data={"image": images})
+
 
 # vLLM reads it at engine start (vllm/platforms/cpu.py, all releases in the range).
 ONE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offbeat.ckpt_engine.target import ReceiveSpec
+from offbeat.core.data.vision import MULTI_MODAL_DATA
 from offbeat.core.rollout.protocol import TokenOutput
 from offbeat.rollout_vllm import compat
 from offbeat.rollout_vllm._admission import Admission, Evicted
@@ -116,6 +117,7 @@ class VLLMRolloutServer:
         self._max_model_len: int = self.engine.model_config.max_model_len
         self._multimodal = bool(getattr(self.engine.model_config, "is_multimodal_model", True))
         self._vocab_size: int = self.engine.model_config.get_vocab_size()
+        self._placeholders = compat.image_placeholder_ids(self.engine.model_config)
         self._weight_version = config.weight_version
         self._ids = itertools.count()
         # Calls inside the engine; closed between abort_all() and resume().
@@ -221,8 +223,9 @@ class VLLMRolloutServer:
         returns `stop_reason="aborted"` with the tokens produced so far if `abort_all()`
         interrupts it. Bad input raises ValueError before the engine sees it."""
         ids = self._check_prompt(prompt_ids)
+        params, mm = self._split_images(sampling_params)
         try:
-            out, version = await self._run(request_id, ids, to_sampling_params(sampling_params))
+            out, version = await self._run(request_id, ids, to_sampling_params(params), mm)
         except Evicted:
             return self._evicted()
         result = self._to_token_output(out.request_id, out.outputs[0], out.metrics, version)
@@ -248,24 +251,52 @@ class VLLMRolloutServer:
         keep "stop"/"length", the others are "aborted" with their tokens so far. Greedy
         params (vLLM refuses `n > 1` for them) run as `n` requests `<request_id>-<i>`."""
         ids = self._check_prompt(prompt_ids)
-        sp = to_sampling_params(sampling_params, n)
+        params, mm = self._split_images(sampling_params)
+        sp = to_sampling_params(params, n)
         try:
-            return await self._group(request_id, ids, sp, n)
+            return await self._group(request_id, ids, sp, n, mm)
         except Evicted:
             return [self._evicted() for _ in range(n)]
 
-    async def _group(self, request_id: str, ids: list[int], sp: Any, n: int) -> list[TokenOutput]:
+    def _split_images(self, sampling_params: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+        """(the sampling params without `multi_modal_data`, the prompt's images as PIL or
+        None). The images come as encoded bytes (PNG: the processor's pixels, exactly)."""
+        params = dict(sampling_params)
+        mm = params.pop(MULTI_MODAL_DATA, None)
+        if not mm:
+            return params, None
+        if not self._multimodal or set(mm) != {"image"}:
+            raise ValueError(
+                f"{MULTI_MODAL_DATA} with keys {sorted(mm)}: this engine takes "
+                f"{'{image: [bytes, ...]}' if self._multimodal else 'none (a text model)'}"
+            )
+        import io
+
+        from PIL import Image
+
+        images = []
+        for k, data in enumerate(mm["image"]):
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    images.append(im.convert("RGB"))
+            except Exception as e:
+                raise ValueError(f"{MULTI_MODAL_DATA} image {k} does not decode: {e}") from e
+        return params, images
+
+    async def _group(
+        self, request_id: str, ids: list[int], sp: Any, n: int, mm: Any = None
+    ) -> list[TokenOutput]:
         if sp.n != n:
 
             async def one(i: int) -> TokenOutput:
                 try:
-                    o, v = await self._run(f"{request_id}-{i}", ids, sp)
+                    o, v = await self._run(f"{request_id}-{i}", ids, sp, mm)
                 except Evicted:  # this sample only: the others keep what they produced
                     return self._evicted()
                 return self._to_token_output(o.request_id, o.outputs[0], o.metrics, v)
 
             return list(await asyncio.gather(*(one(i) for i in range(n))))
-        out, version = await self._run(request_id, ids, sp)
+        out, version = await self._run(request_id, ids, sp, mm)
         comps = sorted(out.outputs, key=lambda c: c.index)
         if [c.index for c in comps] != list(range(n)):
             raise RuntimeError(
@@ -324,19 +355,27 @@ class VLLMRolloutServer:
             )
         return ids, plps
 
-    async def _run(self, request_id: str, ids: list[int], sp: Any) -> tuple[Any, int]:
+    async def _run(
+        self, request_id: str, ids: list[int], sp: Any, images: Any = None
+    ) -> tuple[Any, int]:
         """One vLLM request through admission to its final output; returns that output
         and the weight version it started on. A request of `n` samples counts `n` against
-        the engine's capacity."""
+        the engine's capacity. `images`: the prompt's (PIL), placeholders widened in `ids`."""
         await self._admission.enter(sp.n)
         try:
             if self._broken is not None:
                 raise RuntimeError(f"server {self.server_id} is not serving: {self._broken}")
-            return await self._in_engine(request_id, ids, sp)
+            return await self._in_engine(request_id, ids, sp, images)
         finally:
             self._admission.leave(sp.n)
 
-    async def _in_engine(self, request_id: str, ids: list[int], sp: Any) -> tuple[Any, int]:
+    async def _in_engine(
+        self, request_id: str, ids: list[int], sp: Any, images: Any = None
+    ) -> tuple[Any, int]:
+        if images:
+            prompt = compat.multi_modal_prompt(ids, images, self._placeholders)
+        else:
+            prompt = compat.TokensPrompt(prompt_token_ids=ids)
         epoch = self._abort_epoch
         version = self._weight_version
         internal_id = f"{request_id}#{next(self._ids)}"
@@ -344,9 +383,7 @@ class VLLMRolloutServer:
         self._inside.add(internal_id)
         try:
             try:
-                queue = await self.engine.add_request(
-                    internal_id, compat.TokensPrompt(prompt_token_ids=ids), sp
-                )
+                queue = await self.engine.add_request(internal_id, prompt, sp)
             except compat.REQUEST_ERRORS as e:
                 raise ValueError(f"request {request_id!r} rejected by vLLM: {e}") from e
             if epoch != self._abort_epoch:

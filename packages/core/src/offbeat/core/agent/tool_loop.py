@@ -26,6 +26,7 @@ from offbeat.core.agent.turns import TrajectoryBuilder, TurnTemplate
 from offbeat.core.data import Trajectory
 from offbeat.core.rewards import RewardRegistry
 from offbeat.core.rollout.protocol import sample_params
+from offbeat.core.tasks.images import row_images
 from offbeat.core.tasks.rows import reward_fields, row_messages
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, check_row
 
@@ -110,6 +111,12 @@ class ToolAgentLoop(SingleTurnAgentLoop):
 
     # ---- CPU work, in the loop's threads ----------------------------------------------
     def prompt_ids(self, row: Mapping[str, Any]) -> list[int]:
+        if row_images(row):
+            raise GroupFailed(
+                "the row has images: the tool loop does not send images to the engine yet "
+                "(the single-turn loop does)",
+                "prompt_error",
+            )
         ids = self.template.prompt_ids(
             row_messages(row, self.prompt_key), self.runner.schemas() or None
         )

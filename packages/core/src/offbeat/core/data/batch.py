@@ -41,6 +41,9 @@ class Trajectory:
     # response_ids (e.g. advantages, old log-probs), whose items may themselves be
     # equal-length lists (k values per token: padded to [B, R, k]).
     extras: dict[str, Any] = field(default_factory=dict)
+    # The prompt's vision inputs for the model's forward (e.g. pixel_values and
+    # image_grid_thw, `offbeat.core.data.vision`); None: a text-only prompt.
+    multi_modal: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if len(self.rollout_log_probs) != len(self.response_ids):
@@ -78,8 +81,13 @@ class TrajectoryBatch:
     # [B, R] int64, 1 on every real response token (policy, tool and template tokens);
     # None: the same as response_mask (single-turn responses have no gaps).
     response_attention_mask: torch.Tensor | None = None
+    # Per row, its prompt's vision inputs (a dict of tensors) or None; None for the whole
+    # field: a text-only batch. Rows keep theirs through select, split, concat and repad.
+    multi_modal: list[dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
+        if self.multi_modal is not None and not any(self.multi_modal):
+            self.multi_modal = None
         if self.response_attention_mask is None:
             self.response_attention_mask = self.response_mask.clone()
         b = self.prompt_ids.shape[0]
@@ -98,7 +106,10 @@ class TrajectoryBatch:
         for name, (t, want) in shapes.items():
             if tuple(t.shape) != want:
                 raise ValueError(f"TrajectoryBatch.{name}: shape {tuple(t.shape)}, expected {want}")
-        for name, lst in (("group_uids", self.group_uids), ("session_ids", self.session_ids)):
+        lists = [("group_uids", self.group_uids), ("session_ids", self.session_ids)]
+        if self.multi_modal is not None:
+            lists.append(("multi_modal", self.multi_modal))
+        for name, lst in lists:
             if len(lst) != b:
                 raise ValueError(f"TrajectoryBatch.{name}: {len(lst)} entries for {b} rows")
         for name, t in self.extras.items():
@@ -182,6 +193,7 @@ class TrajectoryBatch:
             extras=extras,
             pad_token_id=pad_token_id,
             response_attention_mask=attention,
+            multi_modal=[t.multi_modal for t in trajectories],
         )
 
     def unpad(self) -> list[Trajectory]:
@@ -207,6 +219,7 @@ class TrajectoryBatch:
                     session_id=self.session_ids[i],
                     response_mask=None if bool(policy.all()) else policy.tolist(),
                     extras=extras,
+                    multi_modal=None if self.multi_modal is None else self.multi_modal[i],
                 )
             )
         return out
@@ -247,6 +260,7 @@ class TrajectoryBatch:
             extras={k: v[idx] for k, v in self.extras.items()},
             pad_token_id=self.pad_token_id,
             response_attention_mask=self.response_attention_mask[idx],
+            multi_modal=None if self.multi_modal is None else [self.multi_modal[i] for i in rows],
         )
 
     def split(self, size: int) -> list[TrajectoryBatch]:
@@ -303,6 +317,7 @@ class TrajectoryBatch:
             extras={k: cat(lambda b, k=k: b.extras[k]) for k in same[0].extras},
             pad_token_id=same[0].pad_token_id,
             response_attention_mask=cat(lambda b: b.response_attention_mask),
+            multi_modal=[m for b in same for m in (b.multi_modal or [None] * len(b))],
         )
 
     def to(self, device: torch.device | str) -> TrajectoryBatch:
@@ -350,8 +365,11 @@ class TrajectoryBatch:
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """A flat dict for a train engine: input_ids, attention_mask, position_ids,
-        response_mask, rollout_log_probs, rewards and every extra."""
+        response_mask, rollout_log_probs, rewards, every extra, and `multi_modal` (a list
+        of B per-row dicts or None) when a row has vision inputs."""
+        vision = {} if self.multi_modal is None else {"multi_modal": list(self.multi_modal)}
         return {
+            **vision,
             "input_ids": self.input_ids,
             "attention_mask": self.attention_mask,
             "position_ids": self.position_ids,

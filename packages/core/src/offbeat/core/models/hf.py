@@ -24,13 +24,30 @@ def building_models() -> threading.RLock:
     return _LOAD_LOCK
 
 
-def load_causal_lm(path: Any, **kwargs: Any):
-    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`, never two at once in this
-    process; raises if the config ties the word embeddings and the loaded model does not."""
-    from transformers import AutoModelForCausalLM
+def model_class(config: Any) -> Any:
+    """The transformers auto class for `config`: image-text-to-text for a vision-language
+    model (a config with a `vision_config`, e.g. Qwen2-VL), else causal LM. Both output
+    logits over the vocabulary for every position of `input_ids`."""
+    import transformers
 
+    if getattr(config, "vision_config", None) is not None:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def load_causal_lm(path: Any, **kwargs: Any):
+    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)` (a VLM: its image-text-to-text
+    class), never two at once in this process; raises if the config ties the word
+    embeddings and the loaded model does not."""
+    from transformers import AutoConfig
+
+    config = kwargs.get("config")
+    if config is None:
+        config = AutoConfig.from_pretrained(
+            path, trust_remote_code=kwargs.get("trust_remote_code", False)
+        )
     with _LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = model_class(config).from_pretrained(path, **kwargs)
     check_tied(model, path)
     return model
 

@@ -106,9 +106,15 @@ def gather_rows(parts: Sequence[list[int]], shards: Sequence[torch.Tensor], rows
 
 def _rows(data: dict[str, Any], index: list[int]) -> dict[str, Any]:
     idx = torch.tensor(index, dtype=torch.long)
-    return {
-        k: v.index_select(0, idx) if isinstance(v, torch.Tensor) else v for k, v in data.items()
-    }
+
+    def rows(k: str, v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.index_select(0, idx)
+        if k == "multi_modal" and isinstance(v, list):  # per-row vision inputs
+            return [v[i] for i in index]
+        return v
+
+    return {k: rows(k, v) for k, v in data.items()}
 
 
 class _NotOnTheDriver:

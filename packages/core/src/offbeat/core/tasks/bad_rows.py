@@ -7,7 +7,8 @@ kinds of problem, two answers:
   `open_parquet` / `read_rows` raise `DatasetFileError` naming the file and the reason,
   and `offbeat check` rejects it (as it does a parquet file of 0 rows);
 - a *row* that cannot be a prompt (`row_problem`: a null prompt, a chat message without
-  `content` or `role`, a prompt that is not valid UTF-8, a null ground truth where the
+  `content` or `role`, a prompt that is not valid UTF-8, a missing or undecodable image or
+  as many images as the prompt's placeholders (`images`), a null ground truth where the
   file has a ground-truth column): `offbeat check` names the first ones with file and row
   index; a run that draws one anyway counts its group failed (reason `bad_row`) instead of
   crashing. Bytes that do not decode as UTF-8 (including UTF-16 surrogates written as
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offbeat.core.tasks.images import image_problem
 from offbeat.core.tasks.rows import row_ground_truth
 
 __all__ = [
@@ -110,6 +112,8 @@ def row_problem(
         return (
             f"{prompt_key!r} is a {type(prompt).__name__}, not a string or a list of chat messages"
         )
+    if bad := image_problem(row, prompt_key):
+        return bad
     has_truth_column = "ground_truth" in row or "reward_model" in row
     if needs_ground_truth and has_truth_column and row_ground_truth(row) is None:
         return "the ground truth is null (ground_truth / reward_model.ground_truth)"

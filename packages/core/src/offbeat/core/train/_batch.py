@@ -55,13 +55,16 @@ def num_rows(batch: dict[str, Any]) -> int:
 
 def split_rows(batch: dict[str, Any], size: int) -> list[dict[str, Any]]:
     """Consecutive micro-batches of at most `size` rows; tensors whose first dimension is
-    the batch are sliced, everything else is shared."""
+    the batch are sliced, and so are per-row lists (`multi_modal`); everything else is
+    shared."""
     rows = num_rows(batch)
     out = []
     for start in range(0, rows, size):
         part = {}
         for k, v in batch.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows:
+            if (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows) or (
+                k == "multi_modal" and isinstance(v, list) and len(v) == rows
+            ):
                 part[k] = v[start : start + size]
             else:
                 part[k] = v

@@ -111,13 +111,11 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def _skeleton(path: str, trust_remote_code: bool, overrides: Mapping[str, Any] | None) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    from offbeat.core.models.hf import building_models, check_tied
+    from offbeat.core.models.hf import building_models, check_tied, model_class
 
     config = hf_config(path, trust_remote_code, overrides)
     with building_models(), _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
+        model = model_class(config).from_config(
             config, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
     check_tied(model, path)

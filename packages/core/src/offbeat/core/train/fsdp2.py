@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from offbeat.core import trace
 from offbeat.core.algorithms import global_normalizer, zero_masked
 from offbeat.core.algorithms.logprob_drift import DRIFT_MASK, batch_drift_sums, pop_drift_sums
+from offbeat.core.data.vision import vision_model_kwargs
 from offbeat.core.device import Device, current_device, get_device
 from offbeat.core.train import _batch, _checkpoint, _gather, _sharding
 from offbeat.core.train._metrics import MetricSums
@@ -249,6 +250,11 @@ class FSDP2TrainEngine:
         self._updates = 0
         # HF causal LMs can skip the LM head on the prompt positions.
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # A vision-language model: its forward takes the prompts' vision inputs, and its
+        # multimodal RoPE computes the position ids (from the image grids).
+        cfg = getattr(model, "config", None)
+        self._vision = getattr(cfg, "vision_config", None) is not None
+        self._image_token_id = getattr(cfg, "image_token_id", None)
         self._head: LogProbHead | None = None
         if config.fused_log_probs and self._takes_logits_to_keep and supports_log_prob_head(model):
             self._head = LogProbHead.install(model, compiled=self._device.type == "cuda")
@@ -300,6 +306,14 @@ class FSDP2TrainEngine:
         }
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = width + 1  # only the positions that predict responses
+        if self._vision:
+            del kwargs["position_ids"]
+            dtype = next(self._model.parameters()).dtype
+            kwargs.update(
+                vision_model_kwargs(
+                    mb.get("multi_modal") or [], mb["input_ids"], self._image_token_id, dtype
+                )
+            )
         return kwargs
 
     def _response_logits(self, mb: dict[str, Any]) -> torch.Tensor:

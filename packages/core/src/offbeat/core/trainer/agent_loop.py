@@ -28,9 +28,11 @@ from typing import Any
 
 from offbeat.core import progress
 from offbeat.core.data import Trajectory
+from offbeat.core.data.vision import MULTI_MODAL_DATA, VisionPrompt, encode_vision_prompt
 from offbeat.core.rewards import RewardError, RewardRegistry
 from offbeat.core.rollout.protocol import sample_params
 from offbeat.core.tasks.bad_rows import BAD_ROW, row_problem
+from offbeat.core.tasks.images import content_parts, decode_image, row_images
 from offbeat.core.tasks.rows import reward_fields
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ class SingleTurnAgentLoop:
     generate call raises (e.g. a replica died): it may heal the pool (remove the dead
     replica) and return True to retry the request, up to `max_retries` times.
     `cpu_threads`: the threads that template, detokenise and score (off the event loop).
+    `processor`: the model's AutoProcessor (a vision-language model): a row with images
+    is rendered and tokenised by it, its images go to the engine as `multi_modal_data`
+    and its vision inputs ride on each trajectory for the trainer's forward.
     """
 
     def __init__(
@@ -85,6 +90,7 @@ class SingleTurnAgentLoop:
         max_retries: int = 2,
         on_engine_error: Callable[[BaseException], Awaitable[bool]] | None = None,
         cpu_threads: int = 4,
+        processor: Any | None = None,
     ) -> None:
         if cpu_threads < 1:
             raise ValueError(f"cpu_threads={cpu_threads}: must be >= 1")
@@ -96,6 +102,7 @@ class SingleTurnAgentLoop:
         self.max_prompt_length = max_prompt_length
         self.max_retries = max_retries
         self.on_engine_error = on_engine_error
+        self.processor = processor
         self._cpu = ThreadPoolExecutor(cpu_threads, thread_name_prefix="agent-loop")
         # HF tokenizers are not documented thread-safe: one tokenizer call at a time.
         self._tokenizer_lock = threading.Lock()
@@ -104,17 +111,33 @@ class SingleTurnAgentLoop:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
     def prompt_ids(self, row: Mapping[str, Any]) -> list[int]:
+        return self.prompt(row).prompt_ids
+
+    def prompt(self, row: Mapping[str, Any]) -> VisionPrompt:
+        """The row's prompt: token ids, and for a row with images (through the processor)
+        the model's vision inputs and the images for the engine."""
         messages = row[self.prompt_key]
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        images = row_images(row)
         with self._tokenizer_lock:
-            ids = encode_prompt(self.tokenizer, list(messages))
+            if images and self.processor is None:
+                raise GroupFailed(
+                    "the row has images but the model has no processor (AutoProcessor) "
+                    "to tokenise them", "prompt_error"
+                )  # fmt: skip
+            if images:
+                pil = [decode_image(im) for im in images]
+                prompt = encode_vision_prompt(self.processor, content_parts(messages), pil)
+            else:
+                prompt = VisionPrompt(encode_prompt(self.tokenizer, list(messages)), {}, [])
+        ids = prompt.prompt_ids
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             raise GroupFailed(
                 f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}",
                 "prompt_too_long",
             )
-        return ids
+        return prompt
 
     async def _retrying(self, request_id: str, call: Callable[[], Awaitable[Any]]) -> Any:
         attempt = 0
@@ -165,7 +188,7 @@ class SingleTurnAgentLoop:
         """`n` trajectories for `row`, each scored; raises `GroupFailed`."""
         check_row(row, self.prompt_key, self.rewards)
         try:
-            prompt_ids = await self._off_loop(self.prompt_ids, row)
+            prompt = await self._off_loop(self.prompt, row)
         except GroupFailed:
             raise
         except Exception as e:
@@ -176,7 +199,12 @@ class SingleTurnAgentLoop:
         # a null override means "not set".
         overrides = {k: v for k, v in (row.get("sampling") or {}).items() if v is not None}
         params = {**self.sampling, **overrides, **(sampling or {})}
+        prompt_ids = prompt.prompt_ids
+        if prompt.images:
+            params[MULTI_MODAL_DATA] = prompt.multi_modal_data()
         outs = await self._generate_n(uid, prompt_ids, params, n)
+        if prompt.images:
+            self._check_no_placeholders(outs)
         source, truth, extra_info = reward_fields(row)  # offbeat's or verl's row layout
         texts = await self._off_loop(self._decode_group, outs)
         rewards = await self.score_texts(source, truth, texts, extra_info)
@@ -190,9 +218,22 @@ class SingleTurnAgentLoop:
                 max_weight_version=int(out.max_weight_version),
                 group_uid=uid,
                 session_id=f"{uid}",
+                multi_modal=prompt.model_inputs or None,
             )
             for out, reward in zip(outs, rewards, strict=True)
         ]
+
+    def _check_no_placeholders(self, outs: Sequence[Any]) -> None:
+        """A sampled image placeholder token would make the trainer's forward look for an
+        image that is not there: such a group fails (reason `response_placeholder`)."""
+        tok = getattr(self.processor, "tokenizer", None)
+        names = [getattr(self.processor, a, None) for a in ("image_token", "video_token")]
+        ids = {tok.convert_tokens_to_ids(t) for t in names if t and tok is not None}
+        for out in outs:
+            if ids & set(out.token_ids):
+                raise GroupFailed(
+                    "a response holds an image placeholder token", "response_placeholder"
+                )
 
     def _decode_group(self, outs: Sequence[Any]) -> list[str]:
         """Detokenise a group's responses in one batch; runs in a worker thread."""

@@ -208,17 +208,30 @@ def wants_warm_start(cfg: RunConfig) -> bool:
     ws = cfg.warm_start
     if ws.steps <= 0 or ws.enabled is False:
         return False
-    return ws.enabled is True or cfg.model.path.startswith(TINY_PREFIX)
+    return (
+        ws.enabled is True or cfg.model.path.startswith(TINY_PREFIX) or _is_tiny_vlm(cfg.model.path)
+    )
+
+
+def _is_tiny_vlm(path: str) -> bool:
+    from offbeat.core.models.tiny_vlm import TINY_VLM_PREFIX
+
+    return path == TINY_VLM_PREFIX
 
 
 def resolve_model(path: str, cache_dir: Path) -> Path:
-    """`offbeat-tiny:<size>` builds (or reuses) a tiny model; anything else is a path."""
+    """`offbeat-tiny:<size>` builds (or reuses) a tiny model, `offbeat-tiny-vl` the tiny
+    vision-language model; anything else is a path."""
     if path.startswith(TINY_PREFIX):
         from offbeat.core.models import build_tiny_model
 
         size = path[len(TINY_PREFIX) :]
         # Normal init: the warm start and RL train it (0.3 is for untrained demos).
         return build_tiny_model(cache_dir / f"tiny-{size}", size, initializer_range=0.02)
+    if _is_tiny_vlm(path):  # the tiny Qwen2-VL and its processor
+        from offbeat.core.models import build_tiny_vlm
+
+        return build_tiny_vlm(cache_dir / "tiny-vl", initializer_range=0.02)
     return Path(path)
 
 
@@ -231,6 +244,11 @@ def resolve_data(cfg: RunConfig, out_dir: Path) -> tuple[list[str], list[str]]:
 
     t = cfg.task
     d = Path(t.out_dir) if t.out_dir else out_dir / f"{t.name}-{t.seed}-{t.min_len}-{t.max_len}"
+    if t.name == "shapes":  # the visual task: images of squares, count or colour
+        from offbeat.core.tasks.visual import write_visual_task_files
+
+        tr, va = write_visual_task_files(d, n_train=t.n_train, n_val=t.n_val, seed=t.seed)
+        return [str(tr)], val or [str(va)]
     tr, va = write_task_files(
         d,
         t.name,
@@ -579,6 +597,7 @@ async def run_with_replicas(
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.agent.loops import build_agent
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
+    from offbeat.core.data.vision import load_processor
     from offbeat.core.rewards.genrm_replicas import start_judge, validation_agent
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
@@ -609,8 +628,15 @@ async def run_with_replicas(
                 own_pools.remove()
             raise
     engine = side.engine
-    tokenizer = AutoTokenizer.from_pretrained(
-        cfg.model.tokenizer_path or str(p.model_dir), trust_remote_code=cfg.model.trust_remote_code
+    # A vision-language model's processor renders and tokenises rows with images.
+    processor = load_processor(p.model_dir, cfg.model.trust_remote_code)
+    tokenizer = (
+        processor.tokenizer
+        if processor is not None and not cfg.model.tokenizer_path
+        else AutoTokenizer.from_pretrained(
+            cfg.model.tokenizer_path or str(p.model_dir),
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
     )
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
     judge_hook = await start_judge(cfg, judges or {})  # None unless reward.name=genrm
@@ -641,6 +667,7 @@ async def run_with_replicas(
             cfg.agent, client, tokenizer, rewards, base_sampling(cfg),
             prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
             on_engine_error=pool.on_engine_error,
+            **({"processor": processor} if processor is not None else {}),
         )  # fmt: skip
         loader = PromptDataLoader(
             p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed,

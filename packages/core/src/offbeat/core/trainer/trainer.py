@@ -139,6 +139,8 @@ def build_train_batch(
         "rollout_log_probs": batch.rollout_log_probs,
         "old_log_probs": batch.rollout_log_probs,
     }
+    if batch.multi_modal is not None:  # each row's vision inputs (a VLM's image prompts)
+        data["multi_modal"] = list(batch.multi_modal)
     return batch, data
 
 

@@ -2,7 +2,9 @@
 
 Knows nothing about RL or engines: it fine-tunes a HF causal LM on (chat prompt -> ground
 truth answer + end-of-turn) pairs with cross-entropy on the answer tokens only, for a
-fixed number of steps, and saves an ordinary HF directory. Results are cached under a
+fixed number of steps, and saves an ordinary HF directory. A vision-language model (one
+with an image processor) reads a row's images through its processor, as the agent loop
+does. Results are cached under a
 hash of everything that determines them, so a second run reuses the first's.
 """
 
@@ -22,7 +24,9 @@ from typing import Any
 
 import torch
 
+from offbeat.core.data.vision import encode_vision_prompt, load_processor, vision_model_kwargs
 from offbeat.core.tasks.bad_rows import row_problem
+from offbeat.core.tasks.images import content_parts, decode_image, row_images
 from offbeat.core.tasks.rows import row_ground_truth, row_messages
 from offbeat.core.trainer.agent_loop import encode_prompt
 
@@ -83,7 +87,8 @@ def warm_start(
     from offbeat.core.models.hf import load_causal_lm
 
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    processor = load_processor(model_dir)
+    tok = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     config.update(overrides)
     model = load_causal_lm(model_dir, config=config, dtype=torch.float32)
@@ -95,11 +100,19 @@ def warm_start(
             continue  # a bad row (offbeat.core.tasks.bad_rows): the run counts it failed
         if (truth := row_ground_truth(row)) is None:
             continue  # nothing to imitate
-        prompt = encode_prompt(tok, row_messages(row, prompt_key))
+        messages = row_messages(row, prompt_key)
+        vision = None
+        if processor is not None and (images := row_images(row)):
+            vp = encode_vision_prompt(
+                processor, content_parts(messages), [decode_image(im) for im in images]
+            )
+            prompt, vision = vp.prompt_ids, vp.model_inputs
+        else:
+            prompt = encode_prompt(tok, messages)
         answer = list(tok.encode(str(truth), add_special_tokens=False))
         if end is not None:
             answer.append(end)
-        examples.append((prompt, answer))
+        examples.append((prompt, answer, vision))
     if not examples:
         raise ValueError("warm start: no dataset row has a ground truth to imitate")
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -109,16 +122,19 @@ def warm_start(
     for _ in range(cfg.steps):
         idx = torch.randint(len(examples), (cfg.batch_size,), generator=gen).tolist()
         batch = [examples[i] for i in idx]
-        width = max(len(p) + len(a) for p, a in batch)
+        width = max(len(p) + len(a) for p, a, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (p, a) in enumerate(batch):
+        for i, (p, a, _) in enumerate(batch):
             seq = p + a
             ids[i, : len(seq)] = torch.tensor(seq)
             mask[i, : len(seq)] = 1
             labels[i, len(p) : len(seq)] = torch.tensor(a)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        vision = vision_model_kwargs(
+            [v for _, _, v in batch], ids, getattr(config, "image_token_id", None)
+        )
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, **vision).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -128,7 +144,7 @@ def warm_start(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        (processor or tok).save_pretrained(tmp)
         for extra in ("generation_config.json",):
             if (model_dir / extra).exists() and not (tmp / extra).exists():
                 shutil.copy(model_dir / extra, tmp / extra)
