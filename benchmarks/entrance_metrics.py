@@ -180,8 +180,7 @@ def metrics(tree: Tree) -> dict[str, object]:
         "job.py fan-out (offbeat modules)": len(g.get(JOB_MODULE, ())),
         "job.py fan-in (workspace modules)": len(fan_in),
         "cfg: Any in core": cfg_any,
-        "import cycles in offbeat.core": "; ".join(" <-> ".join(c) for c in cycles(core))
-        or "none",
+        "import cycles in offbeat.core": "; ".join(" <-> ".join(c) for c in cycles(core)) or "none",
         "engine Ray proxies (classes, lines)": f"{proxies}, {proxy_lines}",
     }
 
