@@ -30,9 +30,9 @@ from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
-from offbeat.core.registry import ROLLOUT_ENGINES
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
 from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
+from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica
 from offbeat.core.runtime import checks as _runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.runtime.launch import (
     hybrid_replicas,
@@ -547,10 +547,12 @@ def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
     """Start every rollout replica (not awaited: they come up while the trainer builds),
     each in its bundle of `pools`' rollout pool when given."""
     cfg = p.cfg
-    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     n = cfg.resources.rollout_devices // cfg.rollout.tensor_parallel_size
-    model = str(p.model_dir)
-    return {f"rollout-{i}": factory(cfg, model, i, **replica_options(pools, i)) for i in range(n)}
+    specs = [
+        ReplicaSpec(cfg, str(p.model_dir), i, ray_options=replica_options(pools, i))
+        for i in range(n)
+    ]
+    return {s.name: start_replica(s) for s in specs}
 
 
 async def run_with_replicas(
