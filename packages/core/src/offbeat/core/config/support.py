@@ -82,6 +82,34 @@ def separate_groups(cfg: Any) -> dict[str, Any]:
     return out
 
 
+@check
+def _devices_add_up(cfg: Any, p: Problems) -> None:
+    """The trainer's, the rollout's and any separate group's devices fill the nodes (here,
+    beside `separate_groups`; the counts themselves are checked by validation's rules)."""
+    r = cfg.resources
+    counts = (r.num_nodes, r.devices_per_node, r.trainer_devices, r.rollout_devices)
+    if not all(type(n) is int for n in counts):
+        return
+    total = r.num_nodes * r.devices_per_node
+    # A critic / reference model in a worker group of its own takes devices of its own.
+    own = {
+        f"{SEPARATE_SECTIONS[role]}.devices": n
+        for role, n in separate_groups(cfg).items()
+        if type(n) is int  # a bad value is reported on its own
+    }
+    used = r.trainer_devices + r.rollout_devices + sum(own.values())
+    if used != total:
+        keys = ["resources.trainer_devices", "resources.rollout_devices", *own]
+        others = "".join(f", {k.split('.')[0]}.devices={n}" for k, n in own.items())
+        p.add(
+            "+".join(keys),
+            used,
+            f"must equal resources.num_nodes × resources.devices_per_node = {total} "
+            f"(e.g. trainer_devices={max(total - r.rollout_devices - sum(own.values()), 1)}, "
+            f"rollout_devices={r.rollout_devices}{others})",
+        )
+
+
 def _engines_that(builder: str) -> list[str]:
     out = []
     for name in TRAIN_ENGINES.names():

@@ -138,26 +138,6 @@ def _resources(cfg: Any, p: Problems) -> None:
     ]
     if not all(ok):
         return
-    from offbeat.core.config.support import SEPARATE_SECTIONS, separate_groups
-
-    total = r.num_nodes * r.devices_per_node
-    # A critic / reference model in a worker group of its own takes devices of its own.
-    own = {
-        f"{SEPARATE_SECTIONS[role]}.devices": n
-        for role, n in separate_groups(cfg).items()
-        if type(n) is int  # a bad value is reported on its own
-    }
-    used = r.trainer_devices + r.rollout_devices + sum(own.values())
-    if used != total:
-        keys = ["resources.trainer_devices", "resources.rollout_devices", *own]
-        others = "".join(f", {k.split('.')[0]}.devices={n}" for k, n in own.items())
-        p.add(
-            "+".join(keys),
-            used,
-            f"must equal resources.num_nodes × resources.devices_per_node = {total} "
-            f"(e.g. trainer_devices={max(total - r.rollout_devices - sum(own.values()), 1)}, "
-            f"rollout_devices={r.rollout_devices}{others})",
-        )
     if p.require_int("rollout.tensor_parallel_size", tp) and r.rollout_devices % tp:
         p.add(
             "resources.rollout_devices",

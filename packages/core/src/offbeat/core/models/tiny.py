@@ -30,10 +30,12 @@ from offbeat.core.models.tokenizer import SPECIAL_TOKENS, char_vocab, save_char_
 
 __all__ = [
     "TINY_MODEL_PRESETS",
+    "TINY_PREFIX",
     "TinyModelSpec",
     "build_tiny_model",
     "cache_root",
     "default_cache_dir",
+    "resolve_model",
     "tiny_model_num_parameters",
 ]
 
@@ -284,3 +286,16 @@ def build_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# A model path `offbeat-tiny:<size>` names one of these, built locally on first use.
+TINY_PREFIX = "offbeat-tiny:"
+
+
+def resolve_model(path: str, cache_dir: Path) -> Path:
+    """`offbeat-tiny:<size>` builds (or reuses) a tiny model; anything else is a path."""
+    if path.startswith(TINY_PREFIX):
+        size = path[len(TINY_PREFIX) :]
+        # Normal init: the warm start and RL train it (0.3 is for untrained demos).
+        return build_tiny_model(cache_dir / f"tiny-{size}", size, initializer_range=0.02)
+    return Path(path)

@@ -57,7 +57,7 @@ def resolve_judge_model(cfg: Any, cache_dir: str | Path) -> Any:
     path = str(raw.get("model_path") or "")
     if not path.startswith("offbeat-tiny:"):
         return cfg
-    from offbeat.core.trainer.job import resolve_model
+    from offbeat.core.models.tiny import resolve_model
 
     raw["model_path"] = str(resolve_model(path, Path(cache_dir) / "models"))
     return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, genrm=raw))
