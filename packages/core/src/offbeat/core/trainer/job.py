@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from offbeat.core import compat
 from offbeat.core.agent.loops import AgentConfig
 from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
@@ -184,10 +185,8 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
     nothing outside). Ray has no switch for its dashboard *processes*: with the dashboard
     off it still starts a headless dashboard head (usage-stats module only, no port) and
     the raylet's dashboard agent. When stdout is not a terminal, library progress bars
-    are turned off for the processes started from here on. Two private Ray names are
-    relied on (a unit test fails loudly if an upgrade removes either):
-    `ray._private.services.resolve_ip_for_localhost` and
-    `ray._private.ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV`.
+    are turned off for the processes started from here on. The private Ray names this
+    relies on are `offbeat.core.compat`'s (a unit test fails loudly if an upgrade moves one).
     """
     # Under `uv run`, Ray would start every worker through `uv run` again with the
     # working directory uploaded as a package (minutes per worker here); workers of a
@@ -203,11 +202,9 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray's "(pid=...)" in plain text
     import ray
-    from ray._private import ray_constants, services
 
     if os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] in ("0", "false", "False"):
-        # Ray read the variable when it was imported, maybe before we set it.
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+        compat.ray_skip_uv_run()
     if ray.is_initialized():
         return
     if rt.ray_address:
@@ -215,17 +212,7 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
         return
     # Ray swaps a loopback node IP for the machine's reachable one, and its servers bind to
     # the node IP: keep loopback so a local job listens on nothing else.
-    missing = [f for f in ("resolve_ip_for_localhost", "is_localhost") if not hasattr(services, f)]
-    if missing:
-        raise RuntimeError(
-            f"ray {ray.__version__} has no ray._private.services.{missing[0]}, which offbeat "
-            "patches to keep a local Ray on loopback; use the Ray version in uv.lock, or set "
-            "runtime.ray_address to a cluster you started yourself"
-        )
-    original = services.resolve_ip_for_localhost
-    if services.is_localhost(rt.node_ip):
-        services.resolve_ip_for_localhost = lambda host: host
-    try:
+    with compat.local_ray_on(rt.node_ip):
         ray.init(
             address="local",  # a new local Ray, never one found running on the machine
             num_cpus=rt.ray_num_cpus,
@@ -235,14 +222,12 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
             log_to_driver=log_to_driver,
             configure_logging=False,
         )
-    finally:
-        services.resolve_ip_for_localhost = original
 
 
 def announce_logs(cfg: RunConfig) -> Path | None:
     """Unless `trainer.verbose`: make the run's process-log directory (each replica writes
     its file there, see `offbeat.core.process_log`), link the Ray session's log directory
-    into it as `ray` (a private Ray name: `ray._private.worker._global_node`), and name it
+    into it as `ray` (found through a private Ray name: `compat.ray_session_logs_dir`), and name it
     on the console. Returns it as configured (None when verbose)."""
     from offbeat.core.process_log import link_ray_logs, run_logs_dir
 
@@ -251,11 +236,8 @@ def announce_logs(cfg: RunConfig) -> Path | None:
         return None
     logs = Path(t.log_dir) / t.experiment_name / "logs"
     run_logs_dir(t.log_dir, t.experiment_name).mkdir(parents=True, exist_ok=True)
-    import ray
-
-    node = getattr(ray._private.worker, "_global_node", None)
     with contextlib.suppress(Exception):  # a joined cluster's logs may live elsewhere
-        link_ray_logs(logs, node.get_logs_dir_path() if node is not None else None)
+        link_ray_logs(logs, compat.ray_session_logs_dir())
     print(
         f"offbeat: engine and Ray logs in {logs}/ (trainer.verbose=true prints them here)",
         flush=True,
