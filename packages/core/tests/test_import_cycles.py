@@ -10,12 +10,6 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# Known, not yet broken (issue 30): the FSDP2 engine builds its critic subclass
-# (`FSDP2TrainEngine.critic_from_job_config`); the train-engine registry should name the
-# critic builder instead. Each entry must still be a cycle (test below): the list only
-# shrinks.
-KNOWN = [{"offbeat.core.train.critic", "offbeat.core.train.fsdp2"}]
-
 
 def modules() -> dict[str, tuple[Path, bool]]:
     out = {}
@@ -96,13 +90,7 @@ def test_the_walker_sees_function_level_imports_and_finds_a_cycle():
 def test_offbeat_core_has_no_import_cycle():
     g = graph()
     assert "offbeat.core.trainer.job" in g and len(g) > 100
-    found = [c for c in cycles(g) if c not in KNOWN]
+    found = cycles(g)
     assert not found, "import cycles in offbeat.core: " + "; ".join(
         " <-> ".join(sorted(c)) for c in found
     )
-
-
-def test_each_known_cycle_is_still_one():
-    """Once broken, a known cycle leaves the list (so the list never hides a new one)."""
-    found = cycles(graph())
-    assert all(k in found for k in KNOWN), [k for k in KNOWN if k not in found]
