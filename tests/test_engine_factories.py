@@ -94,15 +94,21 @@ def recorded(monkeypatch) -> list[dict]:
     return starts
 
 
+# The recipe's engine_kwargs are vLLM's: validation refuses them with rollout.engine=sglang.
+ENGINE_ARGS = {
+    "vllm": [],
+    "sglang": [f"rollout.engine_kwargs.{k}=null" for k in ("max_model_len", "enforce_eager",
+                                                           "max_num_seqs")],
+}  # fmt: skip
+
+
 def job(engine: str, **over):
     _, cfg = load_recipe_config(
         "separate_async",
         [f"rollout.engine={engine}", "resources.devices_per_node=3",
          "resources.rollout_devices=2", "runtime.trainer_cpus=[]",
-         "runtime.rollout_cpus=[0,1]"],
+         "runtime.rollout_cpus=[0,1]", *ENGINE_ARGS[engine]],
     )  # fmt: skip
-    if engine == "sglang":  # the recipe's engine_kwargs are vLLM's (the factory refuses them)
-        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine_kwargs={}))
     # the trainer's cores, set past validation (it checks them against this machine's)
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, trainer_cpus=[4, 5]))
     if over:
@@ -186,9 +192,7 @@ def test_starting_replicas_imports_no_engine(engine):
         "ray.remote = lambda **o: (lambda cls: N(remote=lambda *a: N()))\n"
         "from offbeat.core.cli import load_recipe_config\n"
         "from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica\n"
-        f"_, cfg = load_recipe_config('separate_async', ['rollout.engine={engine}'])\n"
-        "import dataclasses as d\n"
-        "cfg = d.replace(cfg, rollout=d.replace(cfg.rollout, engine_kwargs={}))\n"
+        f"_, cfg = load_recipe_config('separate_async', {['rollout.engine=' + engine, *ENGINE_ARGS[engine]]!r})\n"
         "start_replica(ReplicaSpec(cfg, '/m', 0))\n"
         "print(sorted(m for m in ('vllm', 'sglang', 'torch') if m in sys.modules))\n"
     )

@@ -66,14 +66,13 @@ async def test_the_engine_factory_launches_a_replica_as_the_job_does(
     python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {server} "$@"\n')
     python.chmod(0o755)
     monkeypatch.setenv(SGLANG_PYTHON, str(python))
+    nulls = [f"rollout.engine_kwargs.{k}=null" for k in ("max_model_len", "enforce_eager")]
     _, cfg = load_recipe_config(
-        "separate_async", ["rollout.engine=sglang", f"trainer.log_dir={tmp_path}"]
-    )
-    cfg = dataclasses.replace(
-        cfg,
-        rollout=dataclasses.replace(cfg.rollout, engine_kwargs={}),
-        runtime=dataclasses.replace(cfg.runtime, rollout_num_cpus=0, rollout_cpus=[]),
-    )
+        "separate_async",
+        ["rollout.engine=sglang", f"trainer.log_dir={tmp_path}", "runtime.rollout_cpus=[]",
+         "rollout.engine_kwargs.max_num_seqs=null", *nulls],
+    )  # fmt: skip
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, rollout_num_cpus=0))
     proxy = start_replica(ReplicaSpec(cfg, "offbeat/test-model", 0, server_id="sglang-job-0"))
     try:
         assert await proxy.refresh() == 0  # /health answered through the actor

@@ -12,9 +12,10 @@ once this package is installed.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from offbeat.core.config.validation import Problems, check
 from offbeat.core.rollout.remote import RemoteRolloutServer, replica_actor
 from offbeat.rollout_sglang.server import SGLangServerConfig
 
@@ -48,22 +49,43 @@ VLLM_ONLY_KEYS = {
 }
 
 
+def _vllm_keys(engine_kwargs: Mapping[str, Any]) -> list[str]:
+    """The vLLM-only keys `engine_kwargs` sets (a key set to null is dropped, not set)."""
+    return sorted(k for k, v in engine_kwargs.items() if k in VLLM_ONLY_KEYS and v is not None)
+
+
+def _why(k: str) -> str:
+    return (
+        f"is vLLM's; with rollout.engine=sglang, rollout.engine_kwargs are "
+        f"sglang.launch_server arguments: SGLang's is {VLLM_ONLY_KEYS[k]} "
+        f"(rollout.engine_kwargs.{k}=null drops the recipe's)"
+    )
+
+
+@check
+def _no_vllm_engine_kwargs(cfg: Any, p: Problems) -> None:
+    """`rollout.engine=sglang` with a vLLM engine argument fails before anything starts."""
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is None or rollout.engine != "sglang" or not rollout.engine_kwargs:
+        return
+    for k in _vllm_keys(rollout.engine_kwargs):
+        p.add(f"rollout.engine_kwargs.{k}", rollout.engine_kwargs[k], _why(k))
+
+
 def server_args_of(job: Any) -> dict[str, Any]:
     """`sglang.launch_server` arguments for `job`: what the job config owns (dtype, tensor
     parallelism, tokenizer, remote-code switch, HF config overrides) plus
-    `rollout.engine_kwargs`, which are SGLang `ServerArgs` fields here. Raises ValueError
-    naming each vLLM-only key (with SGLang's name for it) before anything starts."""
+    `rollout.engine_kwargs`, which are SGLang `ServerArgs` fields here (a key set to null
+    is left out). Raises ValueError naming each vLLM-only key (with SGLang's name for it)
+    before anything starts (validation says the same, `_no_vllm_engine_kwargs`)."""
     import json
 
-    vllm_keys = sorted(k for k in job.rollout.engine_kwargs if k in VLLM_ONLY_KEYS)
+    kwargs = {k: v for k, v in job.rollout.engine_kwargs.items() if v is not None}
+    vllm_keys = _vllm_keys(kwargs)
     if vllm_keys:
         raise ValueError(
-            "rollout.engine=sglang: rollout.engine_kwargs are sglang.launch_server arguments; "
-            + "; ".join(
-                f"rollout.engine_kwargs.{k}={job.rollout.engine_kwargs[k]!r} is vLLM's, "
-                f"SGLang's is {VLLM_ONLY_KEYS[k]}"
-                for k in vllm_keys
-            )
+            "rollout.engine=sglang: "
+            + "; ".join(f"rollout.engine_kwargs.{k}={kwargs[k]!r} {_why(k)}" for k in vllm_keys)
         )
     m = job.model
     args: dict[str, Any] = {
@@ -75,7 +97,7 @@ def server_args_of(job: Any) -> dict[str, Any]:
         args["json_model_override_args"] = json.dumps(dict(m.override_config))
     if m.tokenizer_path:
         args["tokenizer_path"] = m.tokenizer_path
-    return {**args, **job.rollout.engine_kwargs}
+    return {**args, **kwargs}
 
 
 # What an SGLang server lacks of the protocol (the shared proxy says so).

@@ -205,7 +205,12 @@ def _async(cfg: Any, p: Problems) -> None:
 def _registry_names(cfg: Any, p: Problems) -> None:
     al = cfg.algorithm
     p.require_registered("actor.engine", cfg.actor.engine, TRAIN_ENGINES)
-    p.require_registered("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    if p.require_registered("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES):
+        # Load the engine's plugin: it may add rules of its own (they run after this one).
+        try:
+            ROLLOUT_ENGINES.get(cfg.rollout.engine)
+        except Exception as e:
+            p.add("rollout.engine", cfg.rollout.engine, f"its plugin does not load: {e}")
     p.require_registered("reward.name", cfg.reward.name, REWARD_FUNCTIONS)
     p.require_registered("algorithm.loss_agg_mode", al.loss_agg_mode, LOSS_AGG_MODES)
     p.require_registered("algorithm.kl_loss_type", al.kl_loss_type, KL_ESTIMATORS)
