@@ -98,7 +98,7 @@ def recorded(monkeypatch) -> list[dict]:
 ENGINE_ARGS = {
     "vllm": [],
     "sglang": [f"rollout.engine_kwargs.{k}=null" for k in ("max_model_len", "enforce_eager",
-                                                           "max_num_seqs")],
+                                                           "max_num_seqs", "seed")],
 }  # fmt: skip
 
 

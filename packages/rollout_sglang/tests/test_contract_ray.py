@@ -66,7 +66,7 @@ async def test_the_engine_factory_launches_a_replica_as_the_job_does(
     python.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {server} "$@"\n')
     python.chmod(0o755)
     monkeypatch.setenv(SGLANG_PYTHON, str(python))
-    nulls = [f"rollout.engine_kwargs.{k}=null" for k in ("max_model_len", "enforce_eager")]
+    nulls = [f"rollout.engine_kwargs.{k}=null" for k in ("max_model_len", "enforce_eager", "seed")]
     _, cfg = load_recipe_config(
         "separate_async",
         ["rollout.engine=sglang", f"trainer.log_dir={tmp_path}", "runtime.rollout_cpus=[]",

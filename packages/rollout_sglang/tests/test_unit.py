@@ -92,6 +92,7 @@ def test_rollout_engine_sglang_passes_check():
             "rollout.engine_kwargs.max_model_len=null",
             "rollout.engine_kwargs.enforce_eager=null",
             "rollout.engine_kwargs.max_num_seqs=null",
+            "rollout.engine_kwargs.seed=null",
         ],
         capture_output=True,
         text=True,
@@ -153,7 +154,7 @@ def test_the_recipes_vllm_engine_kwargs_fail_validation_and_null_drops_them():
     text = str(e.value)
     for k, theirs in [("max_model_len", "context_length"), ("enforce_eager", "disable_cuda_graph")]:
         assert f"rollout.engine_kwargs.{k}" in text and f"SGLang's is {theirs}" in text
-    drop = ["max_model_len", "enforce_eager", "max_num_seqs"]
+    drop = ["max_model_len", "enforce_eager", "max_num_seqs", "seed"]
     _, cfg = load_recipe_config(
         "separate_async",
         ["rollout.engine=sglang", "rollout.engine_kwargs.context_length=128"]

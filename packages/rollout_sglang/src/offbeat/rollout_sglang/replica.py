@@ -43,6 +43,7 @@ VLLM_ONLY_KEYS = {
     "max_model_len": "context_length",
     "enforce_eager": "disable_cuda_graph",
     "max_num_seqs": "max_running_requests",
+    "seed": "random_seed",
     "gpu_memory_utilization": "mem_fraction_static",
     "tensor_parallel_size": "tp_size (set rollout.tensor_parallel_size)",
     "hf_overrides": "json_model_override_args (set model.override_config)",
