@@ -1,5 +1,5 @@
 """offbeat.core.compat: every private Ray and torch name it uses still exists upstream, and
-each helper does what core relies on. An upgrade that moves a name fails here first, by
+each function does what core relies on. An upgrade that moves a name fails here first, by
 name (Ray's `ray.init` internals: test_ray_init.py)."""
 
 from __future__ import annotations
