@@ -81,27 +81,34 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
     cpm = _cycles_per_ms()
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; "
-          f"{cpm / 1e3:.0f}k loop iterations/ms; each spinner: --seconds {args.seconds} of "
-          "nominally 10 ms kernels (the calibration is rough: compare the columns, not "
-          "the seconds)")
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+        f"{cpm / 1e3:.0f}k loop iterations/ms; each spinner: --seconds {args.seconds} of "
+        "nominally 10 ms kernels (the calibration is rough: compare the columns, not "
+        "the seconds)"
+    )
     ctx = mp.get_context("spawn")
     for rep in range(args.reps):
         alone = _spin(args.seconds, cpm)
         two_streams = _spin(args.seconds, cpm, streams=2)
         barrier, out = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(barrier, out, args.seconds, cpm))
-                 for _ in range(2)]
+        procs = [
+            ctx.Process(target=_worker, args=(barrier, out, args.seconds, cpm)) for _ in range(2)
+        ]
         for q in procs:
             q.start()
         walls = [out.get(), out.get()]
         for q in procs:
             q.join()
-        print(f"rep {rep}: one process alone {alone:.2f} s | two streams, one process "
-              f"{two_streams:.2f} s | two processes at once {max(walls):.2f} s "
-              f"({', '.join(f'{w:.2f}' for w in walls)})")
-    print("two processes at once ~= 2x alone: the contexts time-slice (no overlap); "
-          "~= alone: they run side by side")
+        print(
+            f"rep {rep}: one process alone {alone:.2f} s | two streams, one process "
+            f"{two_streams:.2f} s | two processes at once {max(walls):.2f} s "
+            f"({', '.join(f'{w:.2f}' for w in walls)})"
+        )
+    print(
+        "two processes at once ~= 2x alone: the contexts time-slice (no overlap); "
+        "~= alone: they run side by side"
+    )
 
 
 if __name__ == "__main__":

@@ -194,6 +194,7 @@ async def main(args: argparse.Namespace) -> None:
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.cpus import machine_cpus, pin_process
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+    from offbeat.core.rollout.replica_spec import ReplicaSpec
     from offbeat.core.tasks import make_rows
     from offbeat.core.trainer.agent_loop import encode_prompt
     from offbeat.core.trainer.job import base_sampling, init_ray, pin_trainer, resolve_model
@@ -248,7 +249,7 @@ async def main(args: argparse.Namespace) -> None:
 
         init_ray(cfg.runtime)
         pin_trainer(cfg.runtime)  # the client runs where the job runs it: the trainer's cores
-        proxy = vllm_replica(cfg, str(model), 0)
+        proxy = vllm_replica(ReplicaSpec(cfg, str(model), 0))
         await proxy.refresh()
         cpu.pids.append(await proxy.handle.__ray_call__.remote(lambda self: os.getpid()))
         client = PartialRolloutClient(

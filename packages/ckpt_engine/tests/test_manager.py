@@ -75,16 +75,16 @@ async def test_add_and_remove_replicas_between_syncs(model, make_target, calls):
 
 
 async def test_broadcast_group_reused_while_membership_unchanged(model, make_target, monkeypatch):
-    from offbeat.ckpt_engine import broadcast
+    from offbeat.ckpt_engine import compat
 
     built = []
-    real = broadcast._new_group
+    real = compat.new_process_group
 
     def counting(store, key, backend, rank, world, timeout_s):
         built.append((key, rank, world))
         return real(store, key, backend, rank, world, timeout_s)
 
-    monkeypatch.setattr(broadcast, "_new_group", counting)
+    monkeypatch.setattr(compat, "new_process_group", counting)
     a, b, c = make_target("a"), make_target("b"), make_target("c")
     mgr = CheckpointEngineManager("broadcast", bucket_bytes=BUCKET, phase_timeout_s=20)
     try:

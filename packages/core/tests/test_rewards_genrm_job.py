@@ -48,8 +48,8 @@ def test_start_judges_uses_the_rollout_factory_on_the_judge_job_only_for_genrm(m
     from offbeat.core.registry import ROLLOUT_ENGINES
 
     started = []
-    monkeypatch.setattr(ROLLOUT_ENGINES, "get", lambda name: lambda job, path, i: started.append(
-        (job.resources.rollout_devices, path, i)) or f"server-{i}")  # fmt: skip
+    monkeypatch.setattr(ROLLOUT_ENGINES, "get", lambda name: lambda spec: started.append(
+        (spec.job.resources.rollout_devices, spec.model_path, spec.index)) or f"server-{spec.index}")  # fmt: skip
     cfg = genrm_cfg(replicas=2, model_path="/judge")
     assert start_judges(cfg) == {"judge-0": "server-0", "judge-1": "server-1"}
     assert started == [(2, "/judge", 0), (2, "/judge", 1)]
@@ -77,8 +77,8 @@ def test_judges_go_into_a_named_pool_of_their_own(monkeypatch):
             return (name, i)
 
     seen = []
-    monkeypatch.setattr(ROLLOUT_ENGINES, "get", lambda name: lambda job, path, i, **o: seen.append(
-        (i, o)) or i)  # fmt: skip
+    monkeypatch.setattr(ROLLOUT_ENGINES, "get", lambda name: lambda spec: seen.append(
+        (spec.index, spec.ray_options)) or spec.index)  # fmt: skip
     assert start_judges(cfg, Pools()) == {"judge-0": 0, "judge-1": 1}
     assert seen == [(0, {"scheduling_strategy": ("judge", 0)}),
                     (1, {"scheduling_strategy": ("judge", 1)})]  # fmt: skip

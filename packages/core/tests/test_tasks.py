@@ -39,9 +39,7 @@ def test_parquet_round_trip_and_disjoint_val(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))
 
 
-def test_two_writers_of_one_file_in_flight_at_once_never_share_a_temp_file(
-    tmp_path, monkeypatch
-):
+def test_two_writers_of_one_file_in_flight_at_once_never_share_a_temp_file(tmp_path, monkeypatch):
     """Test workers and the background builds write the same cached task file at times:
     a second writer that starts while the first is writing must not write into the first
     one's temp file (a shared one got truncated under the first and renamed into place)."""

@@ -88,6 +88,11 @@ def test_rollout_engine_sglang_passes_check():
             "check",
             "separate_async",
             "rollout.engine=sglang",
+            # the recipe's vLLM arguments, dropped (validation names them otherwise)
+            "rollout.engine_kwargs.max_model_len=null",
+            "rollout.engine_kwargs.enforce_eager=null",
+            "rollout.engine_kwargs.max_num_seqs=null",
+            "rollout.engine_kwargs.seed=null",
         ],
         capture_output=True,
         text=True,
@@ -131,10 +136,29 @@ def test_vllm_engine_kwargs_are_named_with_their_sglang_names():
     )
     with pytest.raises(ValueError) as e:
         server_args_of(job)
-    assert (
-        "rollout.engine_kwargs.enforce_eager=True is vLLM's, SGLang's is disable_cuda_graph"
-        in str(e.value)
+    assert "rollout.engine_kwargs.enforce_eager=True is vLLM's" in str(e.value)
+    assert "SGLang's is disable_cuda_graph" in str(e.value)
+    assert "rollout.engine_kwargs.max_model_len=128 is vLLM's" in str(e.value)
+    assert "SGLang's is context_length" in str(e.value)
+
+
+def test_the_recipes_vllm_engine_kwargs_fail_validation_and_null_drops_them():
+    """Before anything starts (`offbeat check`): each vLLM key of the recipe's YAML is named
+    with SGLang's; set to null, it is left out of the launch flags."""
+    from offbeat.core.cli import load_recipe_config
+    from offbeat.core.config.validation import ConfigError
+    from offbeat.rollout_sglang.replica import server_args_of
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe_config("separate_async", ["rollout.engine=sglang"])
+    text = str(e.value)
+    for k, theirs in [("max_model_len", "context_length"), ("enforce_eager", "disable_cuda_graph")]:
+        assert f"rollout.engine_kwargs.{k}" in text and f"SGLang's is {theirs}" in text
+    drop = ["max_model_len", "enforce_eager", "max_num_seqs", "seed"]
+    _, cfg = load_recipe_config(
+        "separate_async",
+        ["rollout.engine=sglang", "rollout.engine_kwargs.context_length=128"]
+        + [f"rollout.engine_kwargs.{k}=null" for k in drop],
     )
-    assert "rollout.engine_kwargs.max_model_len=128 is vLLM's, SGLang's is context_length" in str(
-        e.value
-    )
+    args = server_args_of(cfg)
+    assert args["context_length"] == 128 and not set(drop) & set(args)

@@ -10,8 +10,8 @@ import pytest
 
 from offbeat.ckpt_engine import ReceiveSpec, SyncTarget
 from offbeat.core.rollout import GroupRolloutServer, RolloutServer, TokenOutput, supports_group
+from offbeat.core.rollout._batching import GenerateStream
 from offbeat.rollout_vllm import RemoteRolloutServer
-from offbeat.rollout_vllm._batching import GenerateStream
 
 
 class _Method:

@@ -25,6 +25,7 @@ async def test_pd_replica_through_the_job_factory_on_ray(tmp_path):
     import ray
 
     from offbeat.core.config import load_config, validate
+    from offbeat.core.rollout.replica_spec import ReplicaSpec
     from offbeat.core.trainer.elastic import shutdown_replicas
     from offbeat.core.trainer.job import RunConfig
     from offbeat.rollout_vllm import VLLMRolloutServer, VLLMServerConfig
@@ -64,7 +65,7 @@ async def test_pd_replica_through_the_job_factory_on_ray(tmp_path):
     ray.init(num_gpus=1, num_cpus=8, include_dashboard=False)
     pd = None
     try:
-        pd = vllm_replica(cfg, str(model), 0)
+        pd = vllm_replica(ReplicaSpec(cfg, str(model), 0))
         assert isinstance(pd, PDRolloutServer) and len(pd.engines) == 2
         await pd.refresh()
         out = await pd.generate("r", prompt, greedy)

@@ -338,6 +338,7 @@ def test_the_vllm_factory_builds_a_pd_replica_of_one_actor_per_engine(tmp_path, 
     """`rollout.pd.enabled` turns the `vllm` factory's replica into P + D actors sharing
     the replica's device, each with its connector role, behind one PDRolloutServer."""
     import offbeat.rollout_vllm.actor as actor
+    from offbeat.core.rollout.replica_spec import ReplicaSpec
     from offbeat.rollout_vllm.replica import vllm_replica
 
     started = []
@@ -347,14 +348,14 @@ def test_the_vllm_factory_builds_a_pd_replica_of_one_actor_per_engine(tmp_path, 
         return object()
 
     monkeypatch.setattr(actor, "vllm_server_actor", fake_actor)
-    pd = vllm_replica(pd_job(tmp_path), "/models/m", 0)
+    pd = vllm_replica(ReplicaSpec(pd_job(tmp_path), "/models/m", 0))
     assert isinstance(pd, PDRolloutServer) and pd.server_id == "rollout-0"
-    assert [c.server_id for c, _ in started] == ["rollout-0-p0", "rollout-0-d0"]
-    roles = [c.engine_kwargs["kv_transfer_config"]["kv_role"] for c, _ in started]
+    assert [c["server_id"] for c, _ in started] == ["rollout-0-p0", "rollout-0-d0"]
+    roles = [c["engine_kwargs"]["kv_transfer_config"]["kv_role"] for c, _ in started]
     assert roles == ["kv_producer", "kv_consumer"]
     assert all(o["num_gpus"] == 0.5 for _, o in started)
     assert pd.storage.path == str(tmp_path / "rollout-0")
-    path = started[0][0].engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]
+    path = started[0][0]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
     assert path == {"shared_storage_path": str(tmp_path / "rollout-0")}
 
 

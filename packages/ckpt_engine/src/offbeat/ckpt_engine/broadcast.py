@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from offbeat.ckpt_engine import compat
 from offbeat.ckpt_engine._shared_buffer import check_version
 from offbeat.ckpt_engine.bucket import Entry, Reassembler, checksum, pack, plan_buckets
 from offbeat.ckpt_engine.errors import ChecksumError, PeerError, StaleVersionError, SyncTimeoutError
@@ -32,33 +33,6 @@ from offbeat.ckpt_engine.registry import Backend, NamedTensors, Sender, SendRepo
 from offbeat.ckpt_engine.target import LoadWeightsFn, ReceiveSpec
 
 __all__ = ["BroadcastBackend", "send_shard"]
-
-
-def _pg_backend(device: torch.device) -> str:
-    if device.type == "cpu":
-        return "gloo"
-    if device.type == "cuda":
-        return "nccl"
-    name = dist.Backend.default_device_backend_map.get(device.type)
-    if name is None:
-        raise ValueError(f"broadcast: no torch.distributed backend for device type {device.type!r}")
-    return name
-
-
-def _new_group(store: dist.Store, key: str, backend: str, rank: int, world: int, timeout_s: float):
-    """Build the sync's own process group (never the default one)."""
-    prefix = dist.PrefixStore(f"pg/{key}/", store)
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefix, rank, world, opts)
-    plugin = dist.Backend._plugins.get(backend.upper())
-    if plugin is None:
-        raise ValueError(f"broadcast: torch.distributed backend {backend!r} is not registered")
-    return plugin.creator_fn(prefix, rank, world, timeout)
 
 
 class _Group:
@@ -70,15 +44,13 @@ class _Group:
 
     def build(self, timeout_s: float) -> _Group:
         if self.pg is None:
-            self.pg = _new_group(
+            self.pg = compat.new_process_group(
                 self.store, self.key, self.backend, self.rank, self.world, timeout_s
             )
         return self
 
     def broadcast(self, t: torch.Tensor, root: int):
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = root, 0
-        return self.pg.broadcast([t], opts)
+        return compat.broadcast(self.pg, t, root)
 
 
 # Groups this process joined as a receiver or extra sender, keyed by (store, group key, rank).
@@ -341,7 +313,7 @@ class BroadcastBackend(Backend):
     def __init__(self, device: str = "cpu", host: str = "127.0.0.1", num_senders: int = 1) -> None:
         self.device = torch.device(device)
         self.host, self.num_senders = host, num_senders
-        self._pg_backend = _pg_backend(self.device)
+        self._pg_backend = compat.process_group_backend(self.device)
         self._store: dist.TCPStore | None = None
         self._group: _Group | None = None
         self._members: tuple[str, ...] | None = None

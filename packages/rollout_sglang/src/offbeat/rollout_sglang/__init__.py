@@ -8,18 +8,18 @@ Importing this package does not import SGLang: the server runs as its own proces
 from offbeat.rollout_sglang._http import SGLangHTTP, SGLangHTTPError, SGLangRequestRejected
 from offbeat.rollout_sglang._process import SGLangProcess
 from offbeat.rollout_sglang._weights import SUPPORTED_BACKENDS, update_plan
-from offbeat.rollout_sglang.replica import RemoteSGLangServer, sglang_replica, sglang_server_actor
+from offbeat.rollout_sglang.replica import sglang_proxy, sglang_replica, sglang_server_actor
 from offbeat.rollout_sglang.server import SGLangRolloutServer, SGLangServerConfig
 
 __all__ = [
     "SUPPORTED_BACKENDS",
-    "RemoteSGLangServer",
     "SGLangHTTP",
     "SGLangHTTPError",
     "SGLangProcess",
     "SGLangRequestRejected",
     "SGLangRolloutServer",
     "SGLangServerConfig",
+    "sglang_proxy",
     "sglang_replica",
     "sglang_server_actor",
     "update_plan",

@@ -1,8 +1,9 @@
 """The `sglang` entry of offbeat's rollout-engine registry, and the Ray shell of a replica.
 
-`sglang_replica(job, model_path, index)` starts `SGLangRolloutServer` in an async Ray actor
-(the actor launches the SGLang server process and talks HTTP to it) and returns a proxy
-that is a `RolloutServer` / `SyncTarget` on the driver. Knows how a job's config maps onto
+`sglang_replica(spec)` (core's `ReplicaSpec`) starts `SGLangRolloutServer` in the shared
+replica actor of `offbeat.core.rollout.remote` (the actor launches the SGLang server process
+and talks HTTP to it) and returns core's proxy, a `RolloutServer` / `SyncTarget` on the
+driver. Knows how a job's config maps onto
 `sglang.launch_server` flags; knows nothing of the trainer loop. Registered through the
 `offbeat.rollout_engines` entry point, so `rollout.engine=sglang` validates and resolves
 once this package is installed.
@@ -11,21 +12,27 @@ once this package is installed.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from offbeat.ckpt_engine.target import ReceiveSpec
-from offbeat.core.rollout.protocol import TokenOutput
+from offbeat.core.config.validation import Problems, check
+from offbeat.core.rollout.remote import RemoteRolloutServer, replica_actor
+from offbeat.rollout_sglang.server import SGLangServerConfig
+
+if TYPE_CHECKING:
+    from offbeat.core.rollout.replica_spec import ReplicaSpec
 
 # The python that runs `sglang.launch_server` (default: the actor's own).
 SGLANG_PYTHON = "OFFBEAT_SGLANG_PYTHON"
 
 __all__ = [
+    "MISSING",
     "SGLANG_PYTHON",
     "VLLM_ONLY_KEYS",
-    "RemoteSGLangServer",
+    "build",
     "register",
     "server_args_of",
+    "sglang_proxy",
     "sglang_replica",
     "sglang_server_actor",
 ]
@@ -36,28 +43,50 @@ VLLM_ONLY_KEYS = {
     "max_model_len": "context_length",
     "enforce_eager": "disable_cuda_graph",
     "max_num_seqs": "max_running_requests",
+    "seed": "random_seed",
     "gpu_memory_utilization": "mem_fraction_static",
     "tensor_parallel_size": "tp_size (set rollout.tensor_parallel_size)",
     "hf_overrides": "json_model_override_args (set model.override_config)",
 }
 
 
+def _vllm_keys(engine_kwargs: Mapping[str, Any]) -> list[str]:
+    """The vLLM-only keys `engine_kwargs` sets (a key set to null is dropped, not set)."""
+    return sorted(k for k, v in engine_kwargs.items() if k in VLLM_ONLY_KEYS and v is not None)
+
+
+def _why(k: str) -> str:
+    return (
+        f"is vLLM's; with rollout.engine=sglang, rollout.engine_kwargs are "
+        f"sglang.launch_server arguments: SGLang's is {VLLM_ONLY_KEYS[k]} "
+        f"(rollout.engine_kwargs.{k}=null drops the recipe's)"
+    )
+
+
+@check
+def _no_vllm_engine_kwargs(cfg: Any, p: Problems) -> None:
+    """`rollout.engine=sglang` with a vLLM engine argument fails before anything starts."""
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is None or rollout.engine != "sglang" or not rollout.engine_kwargs:
+        return
+    for k in _vllm_keys(rollout.engine_kwargs):
+        p.add(f"rollout.engine_kwargs.{k}", rollout.engine_kwargs[k], _why(k))
+
+
 def server_args_of(job: Any) -> dict[str, Any]:
     """`sglang.launch_server` arguments for `job`: what the job config owns (dtype, tensor
     parallelism, tokenizer, remote-code switch, HF config overrides) plus
-    `rollout.engine_kwargs`, which are SGLang `ServerArgs` fields here. Raises ValueError
-    naming each vLLM-only key (with SGLang's name for it) before anything starts."""
+    `rollout.engine_kwargs`, which are SGLang `ServerArgs` fields here (a key set to null
+    is left out). Raises ValueError naming each vLLM-only key (with SGLang's name for it)
+    before anything starts (validation says the same, `_no_vllm_engine_kwargs`)."""
     import json
 
-    vllm_keys = sorted(k for k in job.rollout.engine_kwargs if k in VLLM_ONLY_KEYS)
+    kwargs = {k: v for k, v in job.rollout.engine_kwargs.items() if v is not None}
+    vllm_keys = _vllm_keys(kwargs)
     if vllm_keys:
         raise ValueError(
-            "rollout.engine=sglang: rollout.engine_kwargs are sglang.launch_server arguments; "
-            + "; ".join(
-                f"rollout.engine_kwargs.{k}={job.rollout.engine_kwargs[k]!r} is vLLM's, "
-                f"SGLang's is {VLLM_ONLY_KEYS[k]}"
-                for k in vllm_keys
-            )
+            "rollout.engine=sglang: "
+            + "; ".join(f"rollout.engine_kwargs.{k}={kwargs[k]!r} {_why(k)}" for k in vllm_keys)
         )
     m = job.model
     args: dict[str, Any] = {
@@ -69,123 +98,79 @@ def server_args_of(job: Any) -> dict[str, Any]:
         args["json_model_override_args"] = json.dumps(dict(m.override_config))
     if m.tokenizer_path:
         args["tokenizer_path"] = m.tokenizer_path
-    return {**args, **job.rollout.engine_kwargs}
+    return {**args, **kwargs}
 
 
-def sglang_server_actor(config: Any, *, cpus: list[int] | None = None, **ray_options: Any) -> Any:
-    """Start `SGLangRolloutServer(config)` as an async Ray actor; return its handle.
-    `cpus`: cores that the actor, the SGLang server process it launches and everything that
-    one starts are confined to (None or empty: no confinement)."""
-    import ray
+# What an SGLang server lacks of the protocol (the shared proxy says so).
+MISSING = ("generate_group", "compute_log_probs", "compute_top_log_probs", "device_memory")
 
+BUILD = "offbeat.rollout_sglang.replica:build"
+
+
+def build(config: SGLangServerConfig, cpus: Sequence[int]) -> Any:
+    """In the replica's actor: confine the process to `cpus` (the SGLang server process it
+    launches and everything that one starts inherit it), then launch and attach."""
     from offbeat.rollout_sglang.server import SGLangRolloutServer
 
-    options = {"num_cpus": 1, "max_concurrency": 100_000, **ray_options}
-    if not cpus:
-        return ray.remote(**options)(SGLangRolloutServer).remote(config)
+    if cpus:
+        from offbeat.core.cpus import pin_process
 
-    class PinnedSGLangServer(SGLangRolloutServer):
-        """Pins its process before the server process is launched (children inherit it)."""
-
-        def __init__(self, config: Any, cpus: list[int]) -> None:
-            from offbeat.core.cpus import pin_process
-
-            pin_process(cpus)
-            super().__init__(config)
-
-    return ray.remote(**options)(PinnedSGLangServer).remote(config, list(cpus))
+        pin_process(list(cpus))
+    return SGLangRolloutServer(config)
 
 
-class RemoteSGLangServer:
-    """A Ray actor handle of `SGLangRolloutServer` seen as a local `RolloutServer` and
-    `SyncTarget`. Every call is awaited (no `ray.get`)."""
-
-    def __init__(self, handle: Any, weight_version: int | None = None) -> None:
-        self.handle = handle
-        self._weight_version = weight_version
-
-    @property
-    def weight_version(self) -> int | None:
-        return self._weight_version
-
-    async def refresh(self) -> int:
-        self._weight_version = await self.handle.refresh.remote()
-        return self._weight_version
-
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], sampling_params: Mapping[str, Any]
-    ) -> TokenOutput:
-        out = await self.handle.generate.remote(request_id, prompt_ids, dict(sampling_params))
-        self._weight_version = out.weight_version
-        return out
-
-    async def abort_all(self) -> None:
-        await self.handle.abort_all.remote()
-
-    async def resume(self) -> None:
-        await self.handle.resume.remote()
-
-    async def release_kv_cache(self) -> None:
-        await self.handle.release_kv_cache.remote()
-
-    async def resume_kv_cache(self) -> None:
-        await self.handle.resume_kv_cache.remote()
-
-    async def sleep(self, level: int = 1) -> None:
-        await self.handle.sleep.remote(level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self.handle.wake_up.remote(tags)
-
-    async def update_weights(self, spec: ReceiveSpec) -> int:
-        self._weight_version = await self.handle.update_weights.remote(spec)
-        return self._weight_version
-
-    async def status(self) -> dict[str, Any]:
-        return await self.handle.status.remote()
-
-
-def sglang_replica(
-    job: Any,
-    model_path: str,
-    index: int,
-    *,
-    server_id: str | None = None,
-    cpus: list[int] | None = None,
-    **ray_options: Any,
+def sglang_server_actor(
+    config: SGLangServerConfig, *, cpus: Sequence[int] | None = None, **ray_options: Any
 ) -> Any:
-    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor, called
-    as the job calls every engine factory: `ray_options` (the `scheduling_strategy` of its
-    bundle in the rollout pool, a hybrid replica's place) go to the actor; `server_id`: its
-    name (default `rollout-<index>`); `cpus`: its cores (default: its share of
-    `runtime.rollout_cpus`)."""
+    """Start `SGLangRolloutServer(config)` in the shared replica actor
+    (`offbeat.core.rollout.remote`); return its handle. `cpus`: cores that the actor, the
+    SGLang server process it launches and everything that one starts are confined to
+    (None or empty: no confinement)."""
+    return replica_actor(BUILD, config, cpus=cpus, **ray_options)
+
+
+def sglang_proxy(handle: Any, weight_version: int | None = None) -> RemoteRolloutServer:
+    """The driver's view of an SGLang replica's actor: core's `RemoteRolloutServer`, with
+    what SGLang lacks marked missing."""
+    return RemoteRolloutServer(handle, weight_version, missing=MISSING)
+
+
+def sglang_replica(spec: ReplicaSpec) -> Any:
+    """Start `spec` (replica `index` of a RunConfig on `model_path`) as a Ray actor:
+    `spec.ray_options` (the `scheduling_strategy` of its bundle in the rollout pool, a
+    hybrid replica's place) go to the actor; `spec.cpus` default to its share of
+    `runtime.rollout_cpus`."""
     from offbeat.core.cpus import share_of
     from offbeat.core.process_log import replica_log_env, replica_log_path
-    from offbeat.rollout_sglang.server import SGLangServerConfig
 
+    job, index, cpus = spec.job, spec.index, spec.cpus
     rt = job.runtime
     if cpus is None and rt.rollout_cpus:  # the same share a vLLM replica takes
         replicas = max(1, job.resources.rollout_devices // job.rollout.tensor_parallel_size)
         cpus = share_of(list(rt.rollout_cpus), replicas, index)
     # SGLang's CUDA stack usually lives in an environment of its own: name its python.
     python = os.environ.get(SGLANG_PYTHON)
-    server_id = server_id or f"rollout-{index}"
+    server_id = spec.name
     # The actor's process writes to a file under the run's log directory and the server
     # process to one beside it, unless trainer.verbose keeps the actor's on the console.
     log = replica_log_path(job, server_id)
     config = SGLangServerConfig(
-        model=model_path,
+        model=spec.model_path,
         server_args=server_args_of(job),
         server_id=server_id,
         env=dict(rt.rollout_env),
         command=[python, "-m", "sglang.launch_server"] if python else None,
         log_path=str(log.with_suffix(".server.log")) if log is not None else None,
     )
-    options = {"num_cpus": rt.rollout_num_cpus, "num_gpus": rt.rollout_num_gpus, **ray_options}
+    options = {
+        "num_cpus": rt.rollout_num_cpus,
+        "num_gpus": rt.rollout_num_gpus,
+        **spec.ray_options,
+    }
     if log is not None:
         options["runtime_env"] = {"env_vars": replica_log_env(log)}
     handle = sglang_server_actor(config, cpus=cpus, **options)
-    return RemoteSGLangServer(handle, weight_version=config.weight_version)
+    return sglang_proxy(handle, weight_version=config.weight_version)
 
 
 def register() -> None:

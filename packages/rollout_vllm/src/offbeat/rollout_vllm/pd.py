@@ -420,38 +420,32 @@ def pd_servers(
     return PDRolloutServer(prefill, decode, SharedStorage(storage_path), server_id=server_id)
 
 
-def pd_replica(
-    job: Any,
-    model_path: str,
-    index: int,
-    *,
-    server_id: str | None = None,
-    cpus: list[int] | None = None,
-    **ray_options: Any,
-) -> PDRolloutServer:
-    """Replica `index` of `job` as a PD replica of Ray actors (`rollout.pd`): each engine
-    is a replica actor of its own with `ray_options` (the replica's bundle); on one
-    device (`rollout.pd.share_device`) the engines split it: each asks for
+def pd_replica(spec: Any) -> PDRolloutServer:
+    """`spec` (a `ReplicaSpec` of a job with `rollout.pd`) as a PD replica of Ray actors:
+    each engine is a replica actor of its own with `spec.ray_options` (the replica's
+    bundle); on one device (`rollout.pd.share_device`) the engines split it: each asks for
     `runtime.rollout_num_gpus / (prefill_engines + decode_engines)`. The KV storage is
     `rollout.pd.storage_path/<server id>` (default: a folder under /dev/shm)."""
+    from dataclasses import replace
+
     from offbeat.rollout_vllm.replica import engine_kwargs_of, vllm_replica
 
+    job = spec.job
     pd = job.rollout.pd
-    server_id = server_id or f"rollout-{index}"
+    server_id = spec.name
     root = pd.storage_path or os.path.join("/dev/shm", f"offbeat-pd-{os.getpid()}")
     storage = os.path.join(root, server_id)
     os.makedirs(storage, exist_ok=True)
     count = pd.prefill_engines + pd.decode_engines
     num_gpus = job.runtime.rollout_num_gpus
+    ray_options = dict(spec.ray_options)
     if pd.share_device and num_gpus:
         ray_options.setdefault("num_gpus", num_gpus / count)
 
     def engine(role: str, i: int) -> Any:
         kwargs = pd_engine_kwargs(engine_kwargs_of(job), role, storage, pd.connector)
-        return vllm_replica(
-            job, model_path, index, server_id=f"{server_id}-{role[0]}{i}", cpus=cpus,
-            engine_kwargs=kwargs, **ray_options,
-        )  # fmt: skip
+        one = replace(spec, server_id=f"{server_id}-{role[0]}{i}", ray_options=ray_options)
+        return vllm_replica(one, engine_kwargs=kwargs)
 
     prefill = [engine("prefill", i) for i in range(pd.prefill_engines)]
     decode = [engine("decode", i) for i in range(pd.decode_engines)]

@@ -9,9 +9,12 @@ installed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.rollout_vllm._prestart import ENV as PRESTART_ENV
+
+if TYPE_CHECKING:
+    from offbeat.core.rollout.replica_spec import ReplicaSpec
 
 __all__ = ["OMP_BIND", "engine_kwargs_of", "omp_bind", "register", "replica_cpus", "vllm_replica"]
 
@@ -98,53 +101,50 @@ def replica_cpus(
     return cpus, env
 
 
-def vllm_replica(
-    job: Any,
-    model_path: str,
-    index: int,
-    *,
-    server_id: str | None = None,
-    cpus: list[int] | None = None,
-    engine_kwargs: dict[str, Any] | None = None,
-    **ray_options: Any,
-) -> Any:
-    """Start replica `index` of `job` (a RunConfig) on `model_path` as a Ray actor;
-    `ray_options` (e.g. the `scheduling_strategy` of its bundle in the job's rollout
-    pool, or a hybrid replica's place and share in the trainer pool) go to the actor.
-    `server_id`: its name (default `rollout-<index>`; replacements and hybrid replicas
-    have their own); `cpus`: its cores (default: its share of `runtime.rollout_cpus`);
-    `engine_kwargs`: vLLM's arguments (default: `engine_kwargs_of(job)`). With
-    `rollout.pd.enabled` the replica is a prefill-decode one (`pd.py`): one actor per
-    engine behind a `PDRolloutServer`."""
-    pd = getattr(job.rollout, "pd", None)
+def vllm_replica(spec: ReplicaSpec, *, engine_kwargs: dict[str, Any] | None = None) -> Any:
+    """Start `spec` (replica `index` of a RunConfig on `model_path`) as a Ray actor:
+    `spec.ray_options` (the `scheduling_strategy` of its bundle in the job's rollout pool,
+    or a hybrid replica's place and share in the trainer pool) go to the actor, over
+    `runtime.rollout_num_cpus` / `rollout_num_gpus`; `spec.cpus` default to its share of
+    `runtime.rollout_cpus`. Imports no vLLM: the server is built inside the actor.
+    `engine_kwargs`: vLLM's arguments (default: `engine_kwargs_of(job)`). With `rollout.pd.enabled` the replica is a
+    prefill-decode one (`pd.py`): one actor per engine behind a `PDRolloutServer`."""
+    pd = getattr(spec.job.rollout, "pd", None)
     if engine_kwargs is None and pd is not None and pd.enabled:
         from offbeat.rollout_vllm.pd import pd_replica
 
-        return pd_replica(job, model_path, index, server_id=server_id, cpus=cpus, **ray_options)
+        return pd_replica(spec)
     from offbeat.core.process_log import replica_log_env, replica_log_path
-    from offbeat.rollout_vllm.actor import RemoteRolloutServer, vllm_server_actor
-    from offbeat.rollout_vllm.server import VLLMServerConfig
+    from offbeat.core.rollout.remote import RemoteRolloutServer
+    from offbeat.rollout_vllm.actor import vllm_server_actor
 
+    job, index = spec.job, spec.index
     rt = job.runtime
-    cpus, env = replica_cpus(job, index, cpus)
+    cpus, env = replica_cpus(job, index, spec.cpus)
     if job.resources.device == "cpu" and not rt.rollout_num_gpus:
         # The engine core forks from a server that imports vLLM while the actor does (CPU
         # only, where it was measured: engine start 36 s -> 18 s; see _prestart.py).
         env.setdefault(PRESTART_ENV, "1")
     engine_kwargs = engine_kwargs_of(job) if engine_kwargs is None else dict(engine_kwargs)
-    if "scheduling_strategy" in ray_options and job.rollout.tensor_parallel_size > 1:
+    if spec.placed and job.rollout.tensor_parallel_size > 1:
         # In a placement group vLLM would pick its Ray executor, which wants a bundle per
         # worker; the replica's bundle holds all its devices: its own processes use them.
         engine_kwargs.setdefault("distributed_executor_backend", "mp")
-    server_id = server_id or f"rollout-{index}"
+    server_id = spec.name
     # Its processes (the actor, vLLM's engine core) write to a file under the run's log
     # directory, unless trainer.verbose keeps them on the console.
     env.update(replica_log_env(replica_log_path(job, server_id)))
-    config = VLLMServerConfig(model=model_path, engine_kwargs=engine_kwargs, server_id=server_id)
-    options = {"num_cpus": rt.rollout_num_cpus, "num_gpus": rt.rollout_num_gpus, **ray_options}
+    # VLLMServerConfig's keywords: the actor builds it (the driver imports no vLLM).
+    config = {"model": spec.model_path, "engine_kwargs": engine_kwargs, "server_id": server_id}
+    options = {
+        "num_cpus": rt.rollout_num_cpus,
+        "num_gpus": rt.rollout_num_gpus,
+        **spec.ray_options,
+    }
     handle = vllm_server_actor(config, cpus=cpus, runtime_env={"env_vars": env}, **options)
-    # The proxy knows the version the replica starts with: reading it never asks the actor.
-    return RemoteRolloutServer(handle, weight_version=config.weight_version)
+    # The proxy knows the version the replica starts with (VLLMServerConfig's default):
+    # reading it never asks the actor.
+    return RemoteRolloutServer(handle, weight_version=0)
 
 
 def register() -> None:

@@ -1,6 +1,6 @@
 """Typed job configuration: the schema, loading (YAML + overrides) and validation."""
 
-from offbeat.core.config.load import load_config, parse_overrides, store_schema
+from offbeat.core.config.load import load_config, parse_overrides
 from offbeat.core.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -41,6 +41,5 @@ __all__ = [
     "check",
     "load_config",
     "parse_overrides",
-    "store_schema",
     "validate",
 ]

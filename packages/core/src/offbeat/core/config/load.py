@@ -17,7 +17,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from offbeat.core.config.schema import JobConfig
 from offbeat.core.config.validation import ConfigError, Problem
 
-__all__ = ["load_config", "parse_overrides", "store_schema"]
+__all__ = ["load_config", "parse_overrides"]
 
 C = TypeVar("C")
 
@@ -85,16 +85,6 @@ def parse_overrides(
         )
         out.append((key, OmegaConf.to_container(value)["v"]))  # type: ignore[index]
     return out
-
-
-def store_schema(name: str = "offbeat_job", schema: type = JobConfig) -> None:
-    """Register `schema` in Hydra's ConfigStore, for recipes that use `@hydra.main`.
-
-    A recipe YAML then lists `defaults: [offbeat_job, _self_]` to be type-checked.
-    """
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name=name, node=schema)
 
 
 def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:

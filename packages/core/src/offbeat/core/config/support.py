@@ -13,8 +13,8 @@ Three kinds of rule live here, all registered with `@check`:
 * the device: it must be registered, its plugin must load, and this machine must have it
   (the trainer runs in the process that starts the job).
 
-Knows only the config, the registries (whether a train engine class offers
-`critic_from_job_config` / `reference_from_job_config`) and `Device.is_available()`; nothing of the runtime's
+Knows only the config, the registries (whether a train engine has a registered critic
+or offers `reference_from_job_config`) and `Device.is_available()`; nothing of the runtime's
 own knobs (`offbeat.core.trainer.runtime_checks` has those).
 """
 
@@ -98,23 +98,50 @@ def separate_groups(cfg: Any) -> dict[str, Any]:
     return out
 
 
+@check
+def _devices_add_up(cfg: Any, p: Problems) -> None:
+    """The trainer's, the rollout's and any separate group's devices fill the nodes (here,
+    beside `separate_groups`; the counts themselves are checked by validation's rules)."""
+    r = cfg.resources
+    counts = (r.num_nodes, r.devices_per_node, r.trainer_devices, r.rollout_devices)
+    if not all(type(n) is int for n in counts):
+        return
+    total = r.num_nodes * r.devices_per_node
+    # A critic / reference model in a worker group of its own takes devices of its own.
+    own = {
+        f"{SEPARATE_SECTIONS[role]}.devices": n
+        for role, n in separate_groups(cfg).items()
+        if type(n) is int  # a bad value is reported on its own
+    }
+    used = r.trainer_devices + r.rollout_devices + sum(own.values())
+    if used != total:
+        keys = ["resources.trainer_devices", "resources.rollout_devices", *own]
+        others = "".join(f", {k.split('.')[0]}.devices={n}" for k, n in own.items())
+        p.add(
+            "+".join(keys),
+            used,
+            f"must equal resources.num_nodes × resources.devices_per_node = {total} "
+            f"(e.g. trainer_devices={max(total - r.rollout_devices - sum(own.values()), 1)}, "
+            f"rollout_devices={r.rollout_devices}{others})",
+        )
+
+
 def _engines_that(builder: str) -> list[str]:
-    out = []
-    for name in TRAIN_ENGINES.names():
-        try:
-            if hasattr(TRAIN_ENGINES.get(name), builder):
-                out.append(name)
-        except Exception:  # a plugin that does not load cannot build anything
-            continue
+    out = [name for name in TRAIN_ENGINES.names() if _builds(name, builder)]
     return out or ["(none registered)"]
 
 
 def _builds(engine: Any, builder: str) -> bool | None:
-    """Whether the train engine registered as `engine` has `builder` (None: unknown name,
-    reported by the registry rule)."""
+    """Whether the train engine registered as `engine` has `builder` ("critic": a critic
+    class registered for it; else a classmethod of that name). None: unknown name,
+    reported by the registry rule."""
     if not isinstance(engine, str) or engine not in TRAIN_ENGINES:
         return None
     try:
+        if builder == "critic":
+            from offbeat.core.train.engine import critic_engine
+
+            return critic_engine(engine) is not None
         return hasattr(TRAIN_ENGINES.get(engine), builder)
     except Exception:
         return None
@@ -124,14 +151,12 @@ def _builds(engine: Any, builder: str) -> bool | None:
 def _not_built_yet(cfg: Any, p: Problems) -> None:
     """The one place that rejects what the schema accepts but nothing builds yet."""
     al, a, r = cfg.algorithm, cfg.actor, cfg.resources
-    if needs_critic(al.adv_estimator) and (
-        _builds(cfg.critic.engine, "critic_from_job_config") is False
-    ):
+    if needs_critic(al.adv_estimator) and (_builds(cfg.critic.engine, "critic") is False):
         p.add(
             "algorithm.adv_estimator",
             al.adv_estimator,
             f"needs a critic (value model) and critic.engine={cfg.critic.engine!r} builds "
-            f"none; engines that do: {', '.join(_engines_that('critic_from_job_config'))}",
+            f"none; engines that do: {', '.join(_engines_that('critic'))}",
         )
     if needs_reference(al):
         key = "use_kl_loss" if al.use_kl_loss is True else "use_kl_in_reward"

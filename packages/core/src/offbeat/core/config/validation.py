@@ -138,26 +138,6 @@ def _resources(cfg: Any, p: Problems) -> None:
     ]
     if not all(ok):
         return
-    from offbeat.core.config.support import SEPARATE_SECTIONS, separate_groups
-
-    total = r.num_nodes * r.devices_per_node
-    # A critic / reference model in a worker group of its own takes devices of its own.
-    own = {
-        f"{SEPARATE_SECTIONS[role]}.devices": n
-        for role, n in separate_groups(cfg).items()
-        if type(n) is int  # a bad value is reported on its own
-    }
-    used = r.trainer_devices + r.rollout_devices + sum(own.values())
-    if used != total:
-        keys = ["resources.trainer_devices", "resources.rollout_devices", *own]
-        others = "".join(f", {k.split('.')[0]}.devices={n}" for k, n in own.items())
-        p.add(
-            "+".join(keys),
-            used,
-            f"must equal resources.num_nodes × resources.devices_per_node = {total} "
-            f"(e.g. trainer_devices={max(total - r.rollout_devices - sum(own.values()), 1)}, "
-            f"rollout_devices={r.rollout_devices}{others})",
-        )
     if p.require_int("rollout.tensor_parallel_size", tp) and r.rollout_devices % tp:
         p.add(
             "resources.rollout_devices",
@@ -225,7 +205,12 @@ def _async(cfg: Any, p: Problems) -> None:
 def _registry_names(cfg: Any, p: Problems) -> None:
     al = cfg.algorithm
     p.require_registered("actor.engine", cfg.actor.engine, TRAIN_ENGINES)
-    p.require_registered("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES)
+    if p.require_registered("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES):
+        # Load the engine's plugin: it may add rules of its own (they run after this one).
+        try:
+            ROLLOUT_ENGINES.get(cfg.rollout.engine)
+        except Exception as e:
+            p.add("rollout.engine", cfg.rollout.engine, f"its plugin does not load: {e}")
     p.require_registered("reward.name", cfg.reward.name, REWARD_FUNCTIONS)
     p.require_registered("algorithm.loss_agg_mode", al.loss_agg_mode, LOSS_AGG_MODES)
     p.require_registered("algorithm.kl_loss_type", al.kl_loss_type, KL_ESTIMATORS)

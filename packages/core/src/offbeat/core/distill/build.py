@@ -48,7 +48,7 @@ def write_mixed_task_files(
 def build_teacher(t: TeacherConfig, cache_dir: str | Path, *, prompt_key: str = "prompt") -> Path:
     """The teacher's model directory: `t.model` resolved (a tiny model is built), then,
     when `t.sft.steps > 0`, fine-tuned on its synthetic task (cached)."""
-    from offbeat.core.trainer.job import resolve_model
+    from offbeat.core.models.resolve import resolve_model
     from offbeat.core.trainer.warm_start import WarmStartConfig, warm_start
 
     cache_dir = Path(cache_dir)
@@ -74,7 +74,7 @@ def build_teachers(
     import torch
     import transformers
 
-    from offbeat.core.trainer.job import resolve_model
+    from offbeat.core.models.resolve import resolve_model
 
     for cls in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "GenerationConfig"):
         getattr(transformers, cls)

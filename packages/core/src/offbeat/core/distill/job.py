@@ -100,9 +100,8 @@ def start_teachers(
 ) -> dict[str, dict[str, Any]]:
     """{teacher: {server_id: server}}: every teacher's replicas (not awaited), each in its
     bundle of the teacher's named pool when `pools` has one."""
-    from offbeat.core.registry import ROLLOUT_ENGINES
+    from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica
 
-    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     out: dict[str, dict[str, Any]] = {}
     for name, t in d.teachers.items():
         job = teacher_job(cfg, d, name)
@@ -111,7 +110,8 @@ def start_teachers(
             opts = {}
             if pools is not None and teacher_pool(name) in pools.groups:
                 opts["scheduling_strategy"] = pools.strategy(teacher_pool(name), i)
-            out[name][f"{name}-{i}"] = factory(job, str(model_dirs[name]), i, **opts)
+            spec = ReplicaSpec(job, str(model_dirs[name]), i, ray_options=opts)
+            out[name][f"{name}-{i}"] = start_replica(spec)
     return out
 
 

@@ -30,6 +30,7 @@ from offbeat.core.models.tokenizer import SPECIAL_TOKENS, char_vocab, save_char_
 
 __all__ = [
     "TINY_MODEL_PRESETS",
+    "TINY_PREFIX",
     "TinyModelSpec",
     "build_tiny_model",
     "cache_root",
@@ -284,3 +285,7 @@ def build_tiny_model(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# A model path `offbeat-tiny:<size>` names one of these, built locally on first use.
+TINY_PREFIX = "offbeat-tiny:"

@@ -85,7 +85,7 @@ def plot_genrm(history: list[dict[str, Any]], path: str | Path) -> Path | None:
 def prepare_genrm(cfg: GenRMRunConfig, cache: Path) -> GenRMRunConfig:
     """`cfg` with the judged task files and the trained judge's directory filled in
     (blocking: builds and trains on first use)."""
-    from offbeat.core.trainer.job import resolve_model
+    from offbeat.core.models.resolve import resolve_model
 
     if not cfg.data.train_files:
         train, val = write_judged_task_files(cfg.task, cache / "tasks")

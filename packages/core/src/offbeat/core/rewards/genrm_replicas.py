@@ -57,7 +57,7 @@ def resolve_judge_model(cfg: Any, cache_dir: str | Path) -> Any:
     path = str(raw.get("model_path") or "")
     if not path.startswith("offbeat-tiny:"):
         return cfg
-    from offbeat.core.trainer.job import resolve_model
+    from offbeat.core.models.resolve import resolve_model
 
     raw["model_path"] = str(resolve_model(path, Path(cache_dir) / "models"))
     return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, genrm=raw))
@@ -82,19 +82,21 @@ def start_judges(cfg: Any, pools: Any = None) -> dict[str, Any]:
     each in its bundle of `pools`' "judge" pool when there is one (`judge_pools`); {} when
     none are asked for or reward.name is not genrm. They are never handed to the
     checkpoint engine: no weight syncs."""
-    from offbeat.core.registry import ROLLOUT_ENGINES
+    from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica
 
     n = int(dict(cfg.reward.genrm or {}).get("replicas", 0))
     if cfg.reward.name != "genrm" or n <= 0:
         return {}
     job = judge_job(cfg)
-    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     placed = pools is not None and "judge" in pools.groups
 
     def options(i: int) -> dict[str, Any]:
         return {"scheduling_strategy": pools.strategy("judge", i)} if placed else {}
 
-    return {f"judge-{i}": factory(job, job.model.path, i, **options(i)) for i in range(n)}
+    return {
+        f"judge-{i}": start_replica(ReplicaSpec(job, job.model.path, i, ray_options=options(i)))
+        for i in range(n)
+    }
 
 
 class BalancedJudgeTransport:

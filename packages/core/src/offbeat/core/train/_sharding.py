@@ -9,9 +9,8 @@ the model instead of one per rank.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from offbeat.core import compat
 from offbeat.core.device import Device
 
 
@@ -89,32 +89,11 @@ def load_hf_model(
     )
 
 
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device (one real tensor at a
-    time, while it is created) and keep real buffers (e.g. rotary frequencies, which no
-    checkpoint holds). Parameters assigned twice (tied embeddings) stay one object."""
-    original = nn.Module.register_parameter
-
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(
-                param.to("meta"), requires_grad=param.requires_grad
-            )
-
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
 def _skeleton(path: str, trust_remote_code: bool, overrides: Mapping[str, Any] | None) -> nn.Module:
     from offbeat.core.models.hf import building_models, check_tied, model_class
 
     config = hf_config(path, trust_remote_code, overrides)
-    with building_models(), _parameters_on_meta():
+    with building_models(), compat.parameters_on_meta():
         model = model_class(config).from_config(
             config, dtype=torch.float32, trust_remote_code=trust_remote_code
         )
@@ -156,11 +135,7 @@ def _compile_forwards(layers: list[nn.Module]) -> None:
     """One compiled graph serves every layer of the same class (their parameters are
     inputs, not constants); room is made so that a recompile per layer, should the guards
     ask for one, does not fall back to eager after the default 8."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), 2 * len(layers) + 8))
+    compat.raise_recompile_limit(2 * len(layers) + 8)
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from offbeat.core.algorithms import LossNormalizer, masked_mean, value_loss, zero_masked
 from offbeat.core.train import _sharding
-from offbeat.core.train.engine import LossFn, batch_field
+from offbeat.core.train.engine import LossFn, batch_field, register_critic_engine
 from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine
 from offbeat.core.train.optim import OptimConfig
 
@@ -125,6 +125,7 @@ def critic_engine_config(job: Any) -> FSDP2Config:
     )
 
 
+@register_critic_engine("fsdp2")
 class FSDP2CriticEngine(FSDP2TrainEngine):
     """One data-parallel rank of an FSDP2-sharded value model.
 

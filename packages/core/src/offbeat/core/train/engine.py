@@ -40,6 +40,8 @@ __all__ = [
     "build_critic_engine",
     "build_reference_engine",
     "build_train_engine",
+    "critic_engine",
+    "register_critic_engine",
     "register_train_engine",
 ]
 
@@ -98,9 +100,9 @@ class TrainEngine(Protocol):
 
     A class registered in `TRAIN_ENGINES` also offers `from_job_config(job, **kwargs)`, a
     classmethod that builds the policy's engine from a `offbeat.core.config.JobConfig`
-    (see `build_actor_engine`), and, when it can, `critic_from_job_config` (a value model:
-    `build_critic_engine`) and `reference_from_job_config` (the frozen initial policy:
-    `build_reference_engine`); `check` names an engine that lacks what the job needs.
+    (see `build_actor_engine`), and, when it can, `reference_from_job_config` (the frozen
+    initial policy: `build_reference_engine`); its critic, if any, is a class of its own
+    (`register_critic_engine`). `check` names an engine that lacks what the job needs.
     """
 
     @property
@@ -161,14 +163,38 @@ def build_actor_engine(job: Any, **kwargs: Any) -> TrainEngine:
     return TRAIN_ENGINES.get(job.actor.engine).from_job_config(job, **kwargs)
 
 
+# Train engine name -> its critic (value model) class, for the engines that build one.
+_CRITICS: dict[str, type] = {}
+
+
+def register_critic_engine(name: str) -> Callable[[type], type]:
+    """Class decorator: the critic (value model) of the train engine registered as `name`,
+    built by its `from_job_config(job, **kwargs)`. The engine's own class need not know
+    it (a critic usually subclasses the engine)."""
+
+    def wrap(cls: type) -> type:
+        _CRITICS[name] = cls
+        return cls
+
+    return wrap
+
+
+def critic_engine(name: str) -> type | None:
+    """The critic class of the train engine registered as `name` (None: it builds none);
+    an unknown name lists the registered engines."""
+    TRAIN_ENGINES.get(name)  # loads the engine's module, which registers its critic
+    return _CRITICS.get(name)
+
+
 def build_critic_engine(job: Any, **kwargs: Any) -> Any:
-    """The critic (value model) for a JobConfig: the class registered under
-    `job.critic.engine`, built by its `critic_from_job_config(job, **kwargs)`; it offers
-    `compute_values(batch) -> [B, R]`, `update(mini_batch)`, `save`, `load`."""
-    cls = TRAIN_ENGINES.get(job.critic.engine)
-    if not hasattr(cls, "critic_from_job_config"):
+    """The critic (value model) for a JobConfig: the class registered for
+    `job.critic.engine` (`register_critic_engine`), built by its
+    `from_job_config(job, **kwargs)`; it offers `compute_values(batch) -> [B, R]`,
+    `update(mini_batch)`, `save`, `load`."""
+    cls = critic_engine(job.critic.engine)
+    if cls is None:
         raise ValueError(f"critic.engine={job.critic.engine!r}: this train engine builds no critic")
-    return cls.critic_from_job_config(job, **kwargs)
+    return cls.from_job_config(job, **kwargs)
 
 
 def build_reference_engine(job: Any, **kwargs: Any) -> TrainEngine:

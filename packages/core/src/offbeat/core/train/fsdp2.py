@@ -198,13 +198,6 @@ class FSDP2TrainEngine:
         )
         return cls(config, model=model)
 
-    @classmethod
-    def critic_from_job_config(cls, job: Any, *, model: nn.Module | None = None) -> Any:
-        """The critic (value model) of a JobConfig (see `offbeat.core.train.critic`)."""
-        from offbeat.core.train.critic import FSDP2CriticEngine
-
-        return FSDP2CriticEngine.from_job_config(job, model=model)
-
     def __init__(
         self, config: FSDP2Config, loss_fn: LossFn | None = None, model: nn.Module | None = None
     ) -> None:

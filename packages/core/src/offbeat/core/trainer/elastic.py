@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from offbeat.core.registry import ROLLOUT_ENGINES
+from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica
 from offbeat.core.runtime.launch import replica_options
 
 __all__ = ["replacement_for", "shutdown_replicas", "start_hybrid_replicas"]
@@ -26,15 +26,16 @@ async def start_hybrid_replicas(p: Any, pools: Any) -> dict[str, Any]:
     from offbeat.core.runtime.launch import hybrid_options
 
     cfg, rt = p.cfg, p.cfg.runtime
-    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     n = cfg.resources.trainer_devices
     servers = {}
     for r in range(n):
         cpus = share_of(list(rt.trainer_cpus), n, r) if rt.trainer_cpus else []
         sid = f"hybrid-{r}"
-        servers[sid] = factory(
-            cfg, str(p.model_dir), r, server_id=sid, cpus=cpus, **hybrid_options(cfg, pools, r)
-        )
+        spec = ReplicaSpec(
+            cfg, str(p.model_dir), r, server_id=sid, cpus=cpus,
+            ray_options=hybrid_options(cfg, pools, r), hybrid=True,
+        )  # fmt: skip
+        servers[sid] = start_replica(spec)
     try:
         await asyncio.gather(*(s.refresh() for s in servers.values()))
         level = cfg.trainer.hybrid_sleep_level
@@ -53,7 +54,6 @@ def replacement_for(p: Any, pools: Any, servers: dict[str, Any]) -> Any:
     from offbeat.core.trainer.replicas import Replacement
 
     cfg, rt = p.cfg, p.cfg.runtime
-    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     slots = {sid: i for i, sid in enumerate(servers)}  # start_replicas: rollout-<i> is i
 
     async def kill(server: Any) -> None:
@@ -66,8 +66,9 @@ def replacement_for(p: Any, pools: Any, servers: dict[str, Any]) -> Any:
         index = slots[new_id] = slots[dead_id]
         if dead is not None:
             await kill(dead)
-        server = factory(
-            cfg, str(p.model_dir), index, server_id=new_id, **replica_options(pools, index)
+        options = replica_options(pools, index)
+        server = start_replica(
+            ReplicaSpec(cfg, str(p.model_dir), index, server_id=new_id, ray_options=options)
         )
         try:
             await asyncio.wait_for(server.refresh(), rt.replica_ready_timeout_s)

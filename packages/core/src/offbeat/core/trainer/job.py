@@ -25,15 +25,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from offbeat.core import compat
 from offbeat.core.agent.loops import AgentConfig
 from offbeat.core.config import JobConfig
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
-from offbeat.core.registry import ROLLOUT_ENGINES
+from offbeat.core.models.resolve import resolve_model
+from offbeat.core.models.tiny import TINY_PREFIX
 from offbeat.core.rewards import checks as _reward_checks  # noqa: F401  (registers its rules)
 from offbeat.core.rollout import record_checks as _record_checks  # noqa: F401  (its rules)
+from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica
 from offbeat.core.runtime import checks as _runtime_checks  # noqa: F401  (registers its rules)
+from offbeat.core.runtime.config import RuntimeConfig
 from offbeat.core.runtime.launch import (
     hybrid_replicas,
     replica_options,
@@ -48,65 +52,6 @@ from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, sta
 from offbeat.core.trainer.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
-
-TINY_PREFIX = "offbeat-tiny:"
-
-
-@dataclass
-class RuntimeConfig:
-    """Where and how the job's processes run."""
-
-    ray_address: str = ""  # "": start a local Ray (dashboard off, loopback); else join it
-    ray_num_cpus: int = 2  # CPUs of the local Ray
-    node_ip: str = "127.0.0.1"  # the address a local Ray binds to
-    trainer_threads: int = 1  # torch threads of the trainer process
-    # The resource split on a CPU-only machine (empty: no pinning). trainer_cpus: cores of
-    # the driver process (the trainer) and everything it starts. rollout_cpus: cores of
-    # every process of the rollout replicas (the Ray actor, the engine's processes and
-    # threads), shared out among the replicas; disjoint from trainer_cpus.
-    trainer_cpus: list[int] = field(default_factory=list)
-    rollout_cpus: list[int] = field(default_factory=list)
-    rollout_num_cpus: float = 1.0  # Ray CPUs per rollout replica actor
-    rollout_num_gpus: float = 0.0  # Ray GPUs per replica (tensor_parallel_size on GPUs)
-    # One GPU for the trainer and the last replica (e.g. a one-GPU machine): the trainer in
-    # the driver takes the last replica's GPU instead of the next one, and the two split its
-    # memory (the replica takes rollout.engine_kwargs.gpu_memory_utilization of it). With
-    # hybrid replicas (trainer.validate_on_trainer_devices) the one trainer rank, its
-    # hybrid replica and the one replica share one GPU (the trainer and rollout pools'
-    # bundles each hold half of it; the two engines take that share each).
-    # resources still count the trainer's device: devices_per_node=2 with one GPU.
-    share_trainer_gpu: bool = False
-    # The trainer: null (auto) runs one rank on a local one-node Ray in this process (no
-    # actor); otherwise resources.trainer_devices rank actors on the trainer pool.
-    trainer_in_driver: bool | None = None
-    trainer_num_cpus: float = 1.0  # Ray CPUs per trainer rank (its pool bundle)
-    # Extra custom Ray resources each bundle of a pool asks for (pins a pool to the nodes
-    # that offer them, e.g. {trainer_node: 1}).
-    trainer_resources: dict[str, float] = field(default_factory=dict)
-    rollout_resources: dict[str, float] = field(default_factory=dict)
-    placement_timeout_s: float = 120.0  # the pools must be placed within this
-    rollout_env: dict[str, str] = field(
-        default_factory=lambda: {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    )
-    max_concurrent_groups: int = 32  # prompt groups generated at once
-    ckpt_backend: str = "shm"  # a name in offbeat.ckpt_engine.backends()
-    sync_timeout_s: float = 300.0
-    # Release each replica's KV cache around a weight sync's transfer (false: keep it; the
-    # transfer then needs no memory on the replica's side beyond what its backend maps,
-    # as with cuda_ipc into vLLM's direct-copy path).
-    sync_release_kv: bool = True
-    # Stop the run when this many train batches' worth of prompt groups in a row fail
-    # (reward or engine errors) with none finishing: the rollout has nothing to train on.
-    max_failed_batches: int = 3
-    # A rollout replica that dies (or fails a weight sync) is removed and a new one is
-    # started in its bundle: up to this many failed starts in a row (0: only remove), the
-    # first at once, retry k after replica_replace_backoff_s * 2**(k-1) seconds. It joins
-    # the balancer once it holds the trainer's weight version.
-    replica_replace_attempts: int = 3
-    replica_replace_backoff_s: float = 5.0
-    replica_ready_timeout_s: float = 600.0  # a replacement must answer within this
-    checkpoint_keep_last: int = 2
-    progress_bar: bool = True
 
 
 @dataclass
@@ -219,22 +164,6 @@ def _is_tiny_vlm(path: str) -> bool:
     return path == TINY_VLM_PREFIX
 
 
-def resolve_model(path: str, cache_dir: Path) -> Path:
-    """`offbeat-tiny:<size>` builds (or reuses) a tiny model, `offbeat-tiny-vl` the tiny
-    vision-language model; anything else is a path."""
-    if path.startswith(TINY_PREFIX):
-        from offbeat.core.models import build_tiny_model
-
-        size = path[len(TINY_PREFIX) :]
-        # Normal init: the warm start and RL train it (0.3 is for untrained demos).
-        return build_tiny_model(cache_dir / f"tiny-{size}", size, initializer_range=0.02)
-    if _is_tiny_vlm(path):  # the tiny Qwen2-VL and its processor
-        from offbeat.core.models import build_tiny_vlm
-
-        return build_tiny_vlm(cache_dir / "tiny-vl", initializer_range=0.02)
-    return Path(path)
-
-
 def resolve_data(cfg: RunConfig, out_dir: Path) -> tuple[list[str], list[str]]:
     """The dataset files; a synthetic task is written when none are configured."""
     train, val = list(cfg.data.train_files), list(cfg.data.val_files)
@@ -270,10 +199,8 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
     nothing outside). Ray has no switch for its dashboard *processes*: with the dashboard
     off it still starts a headless dashboard head (usage-stats module only, no port) and
     the raylet's dashboard agent. When stdout is not a terminal, library progress bars
-    are turned off for the processes started from here on. Two private Ray names are
-    relied on (a unit test fails loudly if an upgrade removes either):
-    `ray._private.services.resolve_ip_for_localhost` and
-    `ray._private.ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV`.
+    are turned off for the processes started from here on. The private Ray names this
+    relies on are `offbeat.core.compat`'s (a unit test fails loudly if an upgrade moves one).
     """
     # Under `uv run`, Ray would start every worker through `uv run` again with the
     # working directory uploaded as a package (minutes per worker here); workers of a
@@ -289,11 +216,9 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
         os.environ.setdefault("TQDM_DISABLE", "1")
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # Ray's "(pid=...)" in plain text
     import ray
-    from ray._private import ray_constants, services
 
     if os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] in ("0", "false", "False"):
-        # Ray read the variable when it was imported, maybe before we set it.
-        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
+        compat.ray_skip_uv_run()
     if ray.is_initialized():
         return
     if rt.ray_address:
@@ -301,17 +226,7 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
         return
     # Ray swaps a loopback node IP for the machine's reachable one, and its servers bind to
     # the node IP: keep loopback so a local job listens on nothing else.
-    missing = [f for f in ("resolve_ip_for_localhost", "is_localhost") if not hasattr(services, f)]
-    if missing:
-        raise RuntimeError(
-            f"ray {ray.__version__} has no ray._private.services.{missing[0]}, which offbeat "
-            "patches to keep a local Ray on loopback; use the Ray version in uv.lock, or set "
-            "runtime.ray_address to a cluster you started yourself"
-        )
-    original = services.resolve_ip_for_localhost
-    if services.is_localhost(rt.node_ip):
-        services.resolve_ip_for_localhost = lambda host: host
-    try:
+    with compat.local_ray_on(rt.node_ip):
         ray.init(
             address="local",  # a new local Ray, never one found running on the machine
             num_cpus=rt.ray_num_cpus,
@@ -321,14 +236,12 @@ def init_ray(rt: RuntimeConfig, *, num_gpus: int | None = None, log_to_driver: b
             log_to_driver=log_to_driver,
             configure_logging=False,
         )
-    finally:
-        services.resolve_ip_for_localhost = original
 
 
 def announce_logs(cfg: RunConfig) -> Path | None:
     """Unless `trainer.verbose`: make the run's process-log directory (each replica writes
     its file there, see `offbeat.core.process_log`), link the Ray session's log directory
-    into it as `ray` (a private Ray name: `ray._private.worker._global_node`), and name it
+    into it as `ray` (found through a private Ray name: `compat.ray_session_logs_dir`), and name it
     on the console. Returns it as configured (None when verbose)."""
     from offbeat.core.process_log import link_ray_logs, run_logs_dir
 
@@ -337,11 +250,8 @@ def announce_logs(cfg: RunConfig) -> Path | None:
         return None
     logs = Path(t.log_dir) / t.experiment_name / "logs"
     run_logs_dir(t.log_dir, t.experiment_name).mkdir(parents=True, exist_ok=True)
-    import ray
-
-    node = getattr(ray._private.worker, "_global_node", None)
     with contextlib.suppress(Exception):  # a joined cluster's logs may live elsewhere
-        link_ray_logs(logs, node.get_logs_dir_path() if node is not None else None)
+        link_ray_logs(logs, compat.ray_session_logs_dir())
     print(
         f"offbeat: engine and Ray logs in {logs}/ (trainer.verbose=true prints them here)",
         flush=True,
@@ -565,12 +475,14 @@ def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
     """Start every rollout replica (not awaited: they come up while the trainer builds),
     each in its bundle of `pools`' rollout pool when given."""
     cfg = p.cfg
-    factory = ROLLOUT_ENGINES.get(cfg.rollout.engine)
     from offbeat.core.config.support import replica_devices
 
     n = cfg.resources.rollout_devices // replica_devices(cfg)
-    model = str(p.model_dir)
-    return {f"rollout-{i}": factory(cfg, model, i, **replica_options(pools, i)) for i in range(n)}
+    specs = [
+        ReplicaSpec(cfg, str(p.model_dir), i, ray_options=replica_options(pools, i))
+        for i in range(n)
+    ]
+    return {s.name: start_replica(s) for s in specs}
 
 
 async def run_with_replicas(

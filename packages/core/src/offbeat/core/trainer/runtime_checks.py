@@ -173,7 +173,7 @@ def _engine_kwargs_do_not_shadow_the_job(cfg: Any, p: Problems) -> None:
 
 def _hf_config(cfg: Any) -> Any | None:
     """The model's HF config when it can be read without building anything, else None."""
-    from offbeat.core.trainer.job import TINY_PREFIX
+    from offbeat.core.models.tiny import TINY_PREFIX
 
     path = cfg.model.path
     if not isinstance(path, str) or cfg.model.trust_remote_code:
@@ -239,7 +239,7 @@ def _local_ray_settings_need_a_local_ray(cfg: Any, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None or not rt.ray_address:
         return
-    from offbeat.core.trainer.job import RuntimeConfig
+    from offbeat.core.runtime.config import RuntimeConfig
 
     defaults = RuntimeConfig()
     for key in ("ray_num_cpus", "node_ip"):

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from offbeat.rollout_vllm._batching import BatchedGenerateClient, GenerateStream
+from offbeat.core.rollout._batching import BatchedGenerateClient, GenerateStream
 
 
 class _Method:
