@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "TINY_MODEL_PRESETS",
     "TINY_PREFIX",
     "TinyModelSpec",
+    "atomic_build",
     "build_tiny_model",
     "cache_root",
     "default_cache_dir",
@@ -71,6 +73,29 @@ TINY_MODEL_PRESETS: dict[str, TinyModelSpec] = {
     # ~101M: the size used to measure weight-sync bandwidth.
     "large": TinyModelSpec(768, 16, 12, 4, 2048),
 }
+
+
+@contextlib.contextmanager
+def atomic_build(out: Path, marker: str) -> Iterator[Path]:
+    """A fresh directory beside `out` to build in; on success it is renamed into place
+    (an older build there is swapped out first), so a concurrent caller (another test
+    worker) never sees a half-written directory. When someone else renamed the same build
+    into place first (`out/marker` exists), theirs is kept: it is identical."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():  # only an older build of ours reaches here (the callers check)
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            os.replace(out, old / "d")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / marker).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def cache_root() -> Path:
@@ -256,11 +281,7 @@ def build_tiny_model(
             "build; pass an empty or new directory"
         )
 
-    # Build beside the target and rename into place, so a concurrent caller (another test
-    # worker) never sees a half-written directory.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_build(out, _MARKER) as tmp:
         vocab_size = save_char_tokenizer(tmp, model_max_length=spec.max_position_embeddings)
         weights = _random_weights(
             spec, vocab_size, seed, float(initializer_range), _DTYPES[dtype_name]
@@ -271,19 +292,6 @@ def build_tiny_model(
         (tmp / _MARKER).write_text(
             json.dumps({"hash": digest, "num_parameters": n_params, **key}, indent=2) + "\n"
         )
-        if out.exists():
-            # Only an older build of ours reaches here (checked above): swap it out.
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "d")
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            # Someone else renamed the same build into place first; theirs is identical.
-            if not (out / _MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

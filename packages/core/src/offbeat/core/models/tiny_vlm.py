@@ -14,13 +14,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from offbeat.core.models.tiny import default_cache_dir
+from offbeat.core.models.tiny import atomic_build, default_cache_dir
 
 __all__ = ["TINY_VLM_PREFIX", "VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm"]
 
@@ -165,9 +162,7 @@ def build_tiny_vlm(
             f"build_tiny_vlm: out_dir={str(out)!r} exists and is not an offbeat tiny VLM "
             "build; pass an empty or new directory"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_build(out, _MARKER) as tmp:
         processor = _processor(image_size)
         processor.save_pretrained(tmp)
         model = _model(processor.tokenizer.get_vocab(), seed, float(initializer_range))
@@ -176,15 +171,4 @@ def build_tiny_vlm(
         (tmp / _MARKER).write_text(
             json.dumps({"hash": digest, "num_parameters": n_params, **key}, indent=2) + "\n"
         )
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "d")
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (out / _MARKER).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
