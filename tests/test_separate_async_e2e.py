@@ -408,7 +408,7 @@ def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypa
     )
     summary = run(tmp, prepared, servers, resumed, hooks=hooks)
     trainer = summary["trainer"]
-    assert summary["steps"] == 3 and summary["version"] == start + 3
+    assert summary["steps"] == 4 and summary["version"] == start + 4
     killed, again = batches[2], batches[3]  # step 3 of each run
     assert again["uids"] == killed["uids"]  # the same prompts, in the same order
     for key in ("input_ids", "response_mask", "rollout_log_probs", "advantages"):
@@ -418,7 +418,7 @@ def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypa
         torch.testing.assert_close(weights[1][name], w, atol=0, rtol=0, msg=name)
     prompts = summary["prompts"]
     assert prompts["resumes"] == 1 and prompts["reissued"] == 0 and prompts["in_flight"] == 0
-    assert prompts["trained"] == 3 * cfg.data.train_batch_size == prompts["drawn"]
+    assert prompts["trained"] == 4 * cfg.data.train_batch_size == prompts["drawn"]
     led = trainer.buffer.core.prompts
     at_3 = [r.uid for r in led.records() if r.status == "trained" and r.left_step == 3]
     assert sorted(at_3) == sorted(set(killed["uids"]))
@@ -611,7 +611,7 @@ def test_a_replica_that_stops_answering_is_named_by_the_stall_watchdog(world):
     # the replica's actor gave its own stacks (its process answers; its engine is stopped)
     assert "stacks of replica rollout-0 in the same file" in text
     replica = dump[dump.index("=== actor replica rollout-0\npid ") :]
-    assert 'rollout_vllm/_replica_actor.py", line' in replica, replica[:3000]
+    assert 'core/rollout/remote.py", line' in replica, replica[:3000]
     # resumed, it answers again at the version it held
     out = asyncio.run(server.generate("after-stop", [1, 2, 3], {"max_tokens": 2}))
     assert len(out.token_ids) == 2 and asyncio.run(server.refresh()) == version
