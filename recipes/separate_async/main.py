@@ -25,6 +25,7 @@ import asyncio
 from typing import Any
 
 from offbeat.core.trainer.job import RunConfig, run_job
+from offbeat.core.trainer.report import print_report
 
 CONFIG = RunConfig  # the schema config.yaml and the overrides are loaded into
 # Rollout replicas come from the `rollout.engine` registry entry (offbeat-rollout-vllm
@@ -32,32 +33,7 @@ CONFIG = RunConfig  # the schema config.yaml and the overrides are loaded into
 
 
 def report(summary: dict[str, Any]) -> None:
-    counts = summary["counts"]
-    val = summary["val_history"]
-    print("\n=== separate_async finished ===")
-    print(f"steps: {summary['steps']}  weight version: {summary['version']}")
-    print(
-        f"wall time: {summary['total_wall_s']:.0f}s (engines ready after {summary['startup_s']:.0f}s)"
-    )
-    if val:
-        first, last = val[0], val[-1]
-        best = max(val, key=lambda x: x[1])
-        print(
-            f"validation reward: {first[1]:.3f} (version {first[0]}) -> {last[1]:.3f} "
-            f"(version {last[0]}), best {best[1]:.3f} (version {best[0]})"
-        )
-    print(
-        f"prompts: submitted {counts['submitted']}, trained {counts['trained']}, evicted "
-        f"{counts['evicted']}, failed {counts['failed']}, still in flight "
-        f"{counts['pending'] + counts['running'] + counts['finished']}"
-    )
-    if summary.get("removed_replicas"):
-        print(f"replicas removed: {summary['removed_replicas']}")
-    print(f"metrics: {summary['metrics']}\nplot: {summary['plot']}")
-    if summary.get("trace"):
-        print(f"step timeline: {summary['trace']} (open in ui.perfetto.dev)")
-    if summary.get("logs"):
-        print(f"engine and Ray logs: {summary['logs']}/")
+    print_report(summary, "separate_async")
 
 
 def main(cfg: RunConfig) -> int:

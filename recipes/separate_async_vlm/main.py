@@ -20,25 +20,13 @@ import asyncio
 from typing import Any
 
 from offbeat.core.trainer.job import RunConfig, run_job
+from offbeat.core.trainer.report import print_report
 
 CONFIG = RunConfig  # the schema config.yaml and the overrides are loaded into
 
 
 def report(summary: dict[str, Any]) -> None:
-    val, counts = summary["val_history"], summary["counts"]
-    print("\n=== separate_async_vlm finished ===")
-    print(f"steps: {summary['steps']}  weight version: {summary['version']}")
-    print(
-        f"wall time: {summary['total_wall_s']:.0f}s (engines ready after {summary['startup_s']:.0f}s)"
-    )
-    if val:
-        (v0, r0), (v1, r1) = val[0], val[-1]
-        best = max(val, key=lambda x: x[1])
-        print(f"validation reward: {r0:.3f} (version {v0}) -> {r1:.3f} (version {v1}), "
-              f"best {best[1]:.3f} (version {best[0]})")  # fmt: skip
-    print(f"prompts: submitted {counts['submitted']}, trained {counts['trained']}, "
-          f"evicted {counts['evicted']}, failed {counts['failed']}")  # fmt: skip
-    print(f"metrics: {summary['metrics']}")
+    print_report(summary, "separate_async_vlm")
 
 
 def main(cfg: RunConfig) -> int:

@@ -1,0 +1,40 @@
+"""The report a recipe prints when its job ends: one place for every recipe that runs
+`run_job` (separate_async, separate_async_vlm), so their lines stay the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["print_report"]
+
+
+def print_report(summary: dict[str, Any], name: str) -> None:
+    """The end-of-run report of a separate_async-style job (`run_job`'s summary) on stdout:
+    steps and version, wall time, validation from first to last and best, the prompts'
+    fate, and where the metrics, plot, step timeline and engine logs are."""
+    counts = summary["counts"]
+    val = summary["val_history"]
+    print(f"\n=== {name} finished ===")
+    print(f"steps: {summary['steps']}  weight version: {summary['version']}")
+    print(
+        f"wall time: {summary['total_wall_s']:.0f}s (engines ready after {summary['startup_s']:.0f}s)"
+    )
+    if val:
+        first, last = val[0], val[-1]
+        best = max(val, key=lambda x: x[1])
+        print(
+            f"validation reward: {first[1]:.3f} (version {first[0]}) -> {last[1]:.3f} "
+            f"(version {last[0]}), best {best[1]:.3f} (version {best[0]})"
+        )
+    print(
+        f"prompts: submitted {counts['submitted']}, trained {counts['trained']}, evicted "
+        f"{counts['evicted']}, failed {counts['failed']}, still in flight "
+        f"{counts['pending'] + counts['running'] + counts['finished']}"
+    )
+    if summary.get("removed_replicas"):
+        print(f"replicas removed: {summary['removed_replicas']}")
+    print(f"metrics: {summary['metrics']}\nplot: {summary['plot']}")
+    if summary.get("trace"):
+        print(f"step timeline: {summary['trace']} (open in ui.perfetto.dev)")
+    if summary.get("logs"):
+        print(f"engine and Ray logs: {summary['logs']}/")
