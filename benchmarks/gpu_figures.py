@@ -24,7 +24,7 @@ vLLM with `load_format=dummy`.
     python benchmarks/gpu_figures.py throughput [--prompts 512] [--max-tokens 256] [--repeats 5]
     python benchmarks/gpu_figures.py abort [--requests 512] [--rounds 10] [--profile]
     python benchmarks/gpu_figures.py weightsync [--shapes 1.5b 7b] [--syncs 5] [--cycles 3]
-        [--variants load_weights+kv direct+kv direct] [--bucket-mb MB]
+        [--variants load_weights+kv direct+kv direct] [--bucket-mb MB [MB ...]]
 """
 
 from __future__ import annotations
@@ -363,16 +363,22 @@ async def weightsync_shape(shape: str, args: argparse.Namespace, root: Path) -> 
         VLLMServerConfig(model=str(model), engine_kwargs=kw, server_id=shape)
     )
     cold_start = time.perf_counter() - t0
+    # One manager per (variant, bucket size): every pair is measured on the same engine.
+    runs = {
+        (f"{v}@{mb}M" if len(args.bucket_mb) > 1 else v): (v, mb)
+        for v in args.variants
+        for mb in args.bucket_mb
+    }
     managers = {
-        v: CheckpointEngineManager(
+        label: CheckpointEngineManager(
             "cuda_ipc",
             phase_timeout_s=600,
             release_kv=VARIANTS[v][1],
-            bucket_bytes=(args.bucket_mb << 20) if args.bucket_mb else None,
+            bucket_bytes=(mb << 20) if mb else None,
         )
-        for v in args.variants
+        for label, (v, mb) in runs.items()
     }
-    syncs: dict[str, list] = {v: [] for v in args.variants}
+    syncs: dict[str, list] = {label: [] for label in runs}
     version, cycles1, cycles2 = 0, [], []
     prompt = list(range(40, 72))
     ids = itertools.count()
@@ -391,10 +397,10 @@ async def weightsync_shape(shape: str, args: argparse.Namespace, root: Path) -> 
     try:
         # Variants interleaved sync by sync (each its own warm-up first), so drift in the
         # machine's state hits them alike.
-        order = [v for _ in range(args.warmup + args.syncs) for v in args.variants]
-        done: dict[str, int] = dict.fromkeys(args.variants, 0)
+        order = [label for _ in range(args.warmup + args.syncs) for label in runs]
+        done: dict[str, int] = dict.fromkeys(runs, 0)
         for variant in order:
-            server.config.direct_weight_copy = VARIANTS[variant][0]
+            server.config.direct_weight_copy = VARIANTS[runs[variant][0]][0]
             version += 1
             t = time.perf_counter()
             res = await managers[variant].sync(tensors, version, {shape: server})
@@ -413,7 +419,7 @@ async def weightsync_shape(shape: str, args: argparse.Namespace, root: Path) -> 
             )
         await probe()
         server.config.direct_weight_copy = True
-        manager = managers[args.variants[-1]]
+        manager = managers[list(runs)[-1]]
         # Hybrid validation cycle, level 1: sleep beside the trainer, wake, validate.
         for c in range(args.cycles):
             awake = free_bytes()
@@ -480,7 +486,8 @@ async def weightsync(args: argparse.Namespace) -> None:
     print(
         f"engine: vLLM bf16, load_format=dummy, enforce_eager, gpu_memory_utilization "
         f"{args.mem}; trainer: this process, its bf16 tensors on the same GPU; cuda_ipc "
-        f"backend, {f'{args.bucket_mb} MiB' if args.bucket_mb else 'default'} buckets; median of "
+        f"backend, {' / '.join(f'{mb} MiB' if mb else 'default' for mb in args.bucket_mb)} "
+        f"buckets; median of "
         f"{args.syncs} syncs after {args.warmup} warm-up"
     )
     print(
@@ -488,7 +495,7 @@ async def weightsync(args: argparse.Namespace) -> None:
         + "; ".join(f"{v}: {VARIANTS[v][2]}" for v in args.variants)
     )
     print(
-        f"{'shape':<6}{'variant':<16}{'GB':>7}{'buckets':>8}{'abort':>8}{'rel.KV':>8}"
+        f"{'shape':<6}{'variant':<22}{'GB':>7}{'buckets':>8}{'abort':>8}{'rel.KV':>8}"
         f"{'transfer':>10}{'res.KV':>8}{'resume':>8}{'total':>8}{'GB/s':>8}{'D2D ms':>8}"
         f"{'D2D GB/s':>9}{'xfer/D2D':>9}{'total/D2D':>10}   (ms)"
     )
@@ -498,7 +505,7 @@ async def weightsync(args: argparse.Namespace) -> None:
             xfer, total = ph["transfer"], MED(x[1] for x in s)
             d2d_gbps = r["bytes"] / r["d2d_s"] / GB
             print(
-                f"{r['shape']:<6}{variant:<16}{r['bytes'] / GB:>7.2f}{s[0][0].buckets:>8}"
+                f"{r['shape']:<6}{variant:<22}{r['bytes'] / GB:>7.2f}{s[0][0].buckets:>8}"
                 f"{1e3 * ph.get('abort', 0):>8.1f}{1e3 * ph.get('release_kv', 0):>8.1f}"
                 f"{1e3 * xfer:>10.1f}{1e3 * ph.get('resume_kv', 0):>8.1f}"
                 f"{1e3 * ph.get('resume', 0):>8.1f}{1e3 * total:>8.1f}"
@@ -560,7 +567,10 @@ def main() -> None:
     w.add_argument("--syncs", type=int, default=5)
     w.add_argument("--warmup", type=int, default=2)
     w.add_argument("--cycles", type=int, default=3)
-    w.add_argument("--bucket-mb", type=int, default=0, help="bucket size (0: the backend's)")
+    w.add_argument(
+        "--bucket-mb", type=int, nargs="+", default=[0],
+        help="bucket sizes, each measured on the same engine (0: the backend's)",
+    )  # fmt: skip
     w.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     w.add_argument("--mem", type=float, default=0.35)
     args = ap.parse_args()

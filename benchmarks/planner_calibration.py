@@ -1,6 +1,12 @@
 """The planner's predictions against real runs of the default job on this machine.
 
     python benchmarks/planner_calibration.py [--profile P] [--steps 10] [--configs a,b,...]
+    python benchmarks/planner_calibration.py --gpu --configs async_t2,sync,async_t3,wait_t1 \
+        --out benchmarks/results/planner_calibration_gpu.txt      # one CUDA GPU
+
+`--gpu` adds the one-GPU overrides of `gpu_separate_async.py` (the trainer and one replica
+share the GPU) to the profile and to every run; a configuration with two replicas needs two
+GPUs.
 
 1. `offbeat profile separate_async` (unless --profile names one already measured);
 2. for each configuration: the simulator's prediction is printed and written to the
@@ -82,7 +88,14 @@ def main() -> int:
     ap.add_argument(
         "--reuse", help="runs made before (their folder): predict and replay only, run nothing"
     )
+    ap.add_argument("--gpu", action="store_true", help="one CUDA GPU (see above)")
     args = ap.parse_args()
+    base: list[str] = []
+    if args.gpu:
+        from gpu_separate_async import GPU_OVERRIDES
+
+        base = [o for o in GPU_OVERRIDES if not o.startswith("trainer.loggers=")]
+    plot_path = Path(args.out).with_suffix(".png")
     from offbeat.core.cli import load_recipe_config
     from offbeat.planner import Profile, predict
     from offbeat.planner.measure import profile_from_run
@@ -105,11 +118,13 @@ def main() -> int:
         path = Path(args.profile)
         say(f"profile: {path} (measured earlier)")
     else:
-        path = RESULTS / "planner_calibration_profile.json"
         before = load()
         t0 = time.perf_counter()
-        subprocess.run([*OFFBEAT, "profile", "separate_async", "--out", str(path)], check=True)
-        say(f"profile: offbeat profile separate_async -> {path.relative_to(ROOT)} "
+        path = Path(args.out).with_name(Path(args.out).stem + "_profile.json")
+        subprocess.run(
+            [*OFFBEAT, "profile", "separate_async", "--out", str(path), *base], check=True
+        )
+        say(f"profile: offbeat profile separate_async -> {path} "
             f"({time.perf_counter() - t0:.0f}s, "
             f"load {before} -> {load()})")  # fmt: skip
     profile = Profile.load(path)
@@ -118,13 +133,13 @@ def main() -> int:
 
     results = []
     for name in args.configs.split(","):
-        overrides = CONFIGS[name]
+        overrides = [*base, *CONFIGS[name]]
         flags = short(args.steps, work / name)
         # a reused run's recording exists already (the rule is for new runs)
         checked = [f for f in flags if not (args.reuse and f.startswith("rollout.record."))]
         _, cfg = load_recipe_config("separate_async", [*overrides, *checked])
         pred = predict(cfg, profile, steps=args.steps)
-        say(f"[{name}] overrides: {' '.join(overrides) or '(none)'}")
+        say(f"[{name}] overrides: {' '.join(CONFIGS[name]) or '(none)'}")
         say(f"[{name}] {pred.predict_line()}  (written before the run)")
         before = load()
         t0 = time.perf_counter()
@@ -167,12 +182,12 @@ def main() -> int:
                 f"{m['rollout_idle']:.3f} | {p['tokens_per_s']:.1f} | {m['tokens_per_s']:.1f} | "
                 f"{err('tokens_per_s'):+.1f}% |")  # fmt: skip
     say(f"# load at the end {load()}")
-    _plot(results, RESULTS / "planner_calibration.png")
-    say("plot: benchmarks/results/planner_calibration.png")
+    _plot(results, plot_path, "GPU" if args.gpu else "CPU")
+    say(f"plot: {plot_path}")
     return 0
 
 
-def _plot(results, path: Path) -> None:
+def _plot(results, path: Path, where: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,7 +213,7 @@ def _plot(results, path: Path) -> None:
         ax.set_xlabel(f"measured {label}")
         ax.set_ylabel(f"predicted {label}")
         ax.legend(fontsize="small")
-    fig.suptitle("offbeat plan --predict against the default job's runs (CPU)")
+    fig.suptitle(f"offbeat plan --predict against the default job's runs ({where})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
