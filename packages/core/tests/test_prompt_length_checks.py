@@ -84,7 +84,9 @@ def test_image_rows_count_their_image_tokens(tmp_path):
 
     def vlm_problems(limit: int) -> dict[str, str]:
         try:
-            load_recipe_config("separate_async_vlm", [*overrides, f"data.max_prompt_length={limit}"])
+            load_recipe_config(
+                "separate_async_vlm", [*overrides, f"data.max_prompt_length={limit}"]
+            )
         except ConfigError as e:
             return {p.key: str(p) for p in e.problems}
         return {}

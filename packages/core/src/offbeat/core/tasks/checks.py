@@ -106,7 +106,9 @@ def prompt_lengths(
         images = row_images(r) if processor is not None else []
         if images:
             pil = [decode_image(im) for im in images]
-            out.append(len(encode_vision_prompt(processor, content_parts(messages), pil).prompt_ids))
+            out.append(
+                len(encode_vision_prompt(processor, content_parts(messages), pil).prompt_ids)
+            )
         else:
             out.append(len(encode_prompt(tokenizer, messages)))
     return out
