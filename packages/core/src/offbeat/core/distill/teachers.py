@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TeacherPool", "TeacherRouter", "TeacherScoringError"]
 
 
-def images_kwarg(multi_modal_data: Any) -> dict[str, Any]:
+def _images_kwarg(multi_modal_data: Any) -> dict[str, Any]:
     """`{"multi_modal_data": ...}` for a prompt with images, else nothing: a text
     teacher's replicas are called as before."""
     return {"multi_modal_data": multi_modal_data} if multi_modal_data else {}
@@ -94,7 +94,7 @@ class TeacherPool:
         call retries (another replica where the balancer has one) up to `max_retries`
         times, then raises TeacherScoringError. `multi_modal_data`: the prompt's images
         (`{"image": [PNG bytes, ...]}`), sent to a vision-language teacher with the ids."""
-        mm = images_kwarg(multi_modal_data)
+        mm = _images_kwarg(multi_modal_data)
         out = await self._score(
             teacher, lambda h, rid: h.compute_log_probs(rid, token_ids, start, **mm),
             len(token_ids) - start, lambda r: r,
@@ -106,7 +106,7 @@ class TeacherPool:
     ) -> dict[str, list]:
         """`score`, plus the teacher's `k` most likely tokens at each scored position:
         `{"log_probs", "top_ids", "top_log_probs"}` (`compute_top_log_probs`)."""
-        mm = images_kwarg(multi_modal_data)
+        mm = _images_kwarg(multi_modal_data)
         return await self._score(
             teacher, lambda h, rid: h.compute_top_log_probs(rid, token_ids, start, k, **mm),
             len(token_ids) - start, lambda r: r["log_probs"],
