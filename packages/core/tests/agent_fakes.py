@@ -50,7 +50,8 @@ class ScriptedClient:
         v = self.versions[turn] if self.versions else 0
         self.calls.append(
             {"request_id": request_id, "session_id": session_id, "prompt": list(prompt_ids),
-             "ids": ids, "logprobs": logprobs, "stop": stop, "max_tokens": cap}
+             "ids": ids, "logprobs": logprobs, "stop": stop, "max_tokens": cap,
+             "params": dict(params)}
         )  # fmt: skip
         return TokenOutput(ids, logprobs, stop, weight_version=v)
 

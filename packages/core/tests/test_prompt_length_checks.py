@@ -69,3 +69,28 @@ def test_prompt_and_response_must_fit_max_model_len(max_model_len, rejected):
     assert (key in found) is rejected, found
     if rejected:
         assert "64+40=104" in found[key] and "rollout.engine_kwargs.max_model_len=100" in found[key]
+
+
+# "<|im_start|>user\n" (6), <|vision_start|> + 16 image tokens (a 112-px image, 28-px
+# merged patches) + <|vision_end|> (18), the question, "<|im_end|>\n" (2),
+# "<|im_start|>assistant\n" (11): the image counts 16 tokens, not its one placeholder.
+def test_image_rows_count_their_image_tokens(tmp_path):
+    from offbeat.core.tasks.visual import QUESTIONS, make_visual_rows
+
+    rows = [r for r in make_visual_rows(8, seed=0) if r["extra_info"]["question"] == "count"]
+    path = write_parquet(rows[:2], tmp_path / "images.parquet")
+    longest = 6 + 18 + len(QUESTIONS["count"]) + 2 + 11
+    overrides = [f"data.train_files=[{path}]", f"data.val_files=[{path}]"]
+
+    def vlm_problems(limit: int) -> dict[str, str]:
+        try:
+            load_recipe_config(
+                "separate_async_vlm", [*overrides, f"data.max_prompt_length={limit}"]
+            )
+        except ConfigError as e:
+            return {p.key: str(p) for p in e.problems}
+        return {}
+
+    assert vlm_problems(longest) == {}
+    found = vlm_problems(longest - 1)  # fits as text with one placeholder; not with 16
+    assert f"longest {longest} tokens" in found["data.max_prompt_length"], found

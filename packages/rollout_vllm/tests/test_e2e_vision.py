@@ -111,3 +111,55 @@ async def test_a_request_whose_images_and_placeholders_disagree_is_refused(vlm_s
     params = {"max_tokens": 2, MULTI_MODAL_DATA: {"image": [_png("red", 1)]}}
     with pytest.raises(ValueError, match="0 image placeholder"):
         await vlm_server.generate("vis-bad", ids, params)
+
+
+class _TextTeacher:
+    """A text teacher's replica: the calls it got (it scores every token 0)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    async def compute_log_probs(self, request_id, token_ids, start, **kwargs):
+        self.calls.append({"token_ids": list(token_ids), **kwargs})
+        return [0.0] * (len(token_ids) - start)
+
+
+async def test_a_visual_teacher_scores_the_students_tokens_with_the_row_images(
+    vlm_server, tiny_vlm
+):
+    """OPD routing a visual row to a vision-language teacher beside a text teacher: the
+    VLM teacher (here the student's own engine, same weights) scores the student's tokens
+    with the row's images, so its log-probs are the engine's own sampled ones; the same
+    tokens scored with another image differ; the text teacher gets no images."""
+    from transformers import AutoProcessor
+
+    from offbeat.core.distill import TeacherPool, TeacherRouter
+    from offbeat.core.distill.advantages import TEACHER_LOG_PROBS
+    from offbeat.core.distill.agent_loop import DistillAgentLoop, row_multi_modal_data
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm)
+    client = PartialRolloutClient(AsyncLoadBalancer({vlm_server.server_id: vlm_server}))
+    student = SingleTurnAgentLoop(
+        client, processor.tokenizer, RewardRegistry({}),
+        {"max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True},
+        processor=processor,
+    )  # fmt: skip
+    text_teacher = _TextTeacher()
+    pool = TeacherPool({"visual": {"vl-0": vlm_server}, "text": {"txt-0": text_teacher}})
+    loop = DistillAgentLoop(student, TeacherRouter(["visual", "text"], teacher_key="teacher"), pool)
+    visual = {**_row("red", 1), "teacher": "visual"}
+    text = {"prompt": [{"role": "user", "content": "How many squares?"}], "teacher": "text",
+            "data_source": "exact_match", "ground_truth": "1"}  # fmt: skip
+    [t] = await loop.sample("opd-vis", visual, 1)
+    [u] = await loop.sample("opd-txt", text, 1)
+    teacher = t.extras[TEACHER_LOG_PROBS]
+    assert len(teacher) == len(t.response_ids) == 8
+    torch.testing.assert_close(
+        torch.tensor(teacher), torch.tensor(t.rollout_log_probs), atol=2e-3, rtol=0
+    )
+    # The same tokens with another image: the image is what the teacher scored them on.
+    ids, start = [*t.prompt_ids, *t.response_ids], len(t.prompt_ids)
+    other = await pool.score("visual", ids, start, row_multi_modal_data(_row("blue", 3)))
+    assert max(abs(a - b) for a, b in zip(other, teacher, strict=True)) > 1e-2
+    assert len(text_teacher.calls) == 1 and "multi_modal_data" not in text_teacher.calls[0]
+    assert text_teacher.calls[0]["token_ids"] == [*u.prompt_ids, *u.response_ids]

@@ -307,18 +307,29 @@ class VLLMRolloutServer:
         return [self._to_token_output(out.request_id, c, None, version) for c in comps]
 
     async def compute_log_probs(
-        self, request_id: str, token_ids: list[int], start: int
+        self,
+        request_id: str,
+        token_ids: list[int],
+        start: int,
+        multi_modal_data: Mapping[str, Any] | None = None,
     ) -> list[float]:
         """The model's log-probability of each of `token_ids[start:]` given the tokens
         before it (a teacher scoring a student's response): one prompt-logprob request
         generating a single token at temperature 1, so the scores are the plain
-        log-softmax of the logits. Raises RuntimeError when `abort_all()` interrupts it
+        log-softmax of the logits. `multi_modal_data`: the prompt's images
+        (`{"image": [PNG bytes, ...]}`, as `generate` takes them; `token_ids` hold their
+        widened placeholders). Raises RuntimeError when `abort_all()` interrupts it
         (a partial answer has no scores)."""
-        ids, plps = await self._prompt_logprobs(request_id, token_ids, start, 0)
+        ids, plps = await self._prompt_logprobs(request_id, token_ids, start, 0, multi_modal_data)
         return [float(plps[i][ids[i]].logprob) for i in range(start, len(ids))]
 
     async def compute_top_log_probs(
-        self, request_id: str, token_ids: list[int], start: int, k: int
+        self,
+        request_id: str,
+        token_ids: list[int],
+        start: int,
+        k: int,
+        multi_modal_data: Mapping[str, Any] | None = None,
     ) -> dict[str, list]:
         """`compute_log_probs` plus, at each scored position, the `k` most likely tokens
         and their log-probabilities (most likely first): `{"log_probs", "top_ids",
@@ -326,7 +337,7 @@ class VLLMRolloutServer:
         engine's `max_logprobs` (vLLM's default 20)."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k={k!r}: expected an int >= 1 (top log-probs per position)")
-        ids, plps = await self._prompt_logprobs(request_id, token_ids, start, k)
+        ids, plps = await self._prompt_logprobs(request_id, token_ids, start, k, multi_modal_data)
         lps, top_ids, top_lps = [], [], []
         for i in range(start, len(ids)):
             ranked = sorted(plps[i].items(), key=lambda kv: kv[1].rank)[:k]
@@ -336,15 +347,21 @@ class VLLMRolloutServer:
         return {"log_probs": lps, "top_ids": top_ids, "top_log_probs": top_lps}
 
     async def _prompt_logprobs(
-        self, request_id: str, token_ids: list[int], start: int, top_k: int
+        self,
+        request_id: str,
+        token_ids: list[int],
+        start: int,
+        top_k: int,
+        multi_modal_data: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], list[Any]]:
         ids = self._check_prompt(token_ids)
+        _, images = self._split_images({MULTI_MODAL_DATA: multi_modal_data})
         if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start <= len(ids):
             raise ValueError(
                 f"start={start!r}: expected an int in [1, {len(ids)}] (the first scored "
                 "position; position 0 has no context)"
             )
-        out, _ = await self._run(request_id, ids, score_params(top_k))
+        out, _ = await self._run(request_id, ids, score_params(top_k), images)
         if out.outputs and out.outputs[0].finish_reason == "abort":
             raise RuntimeError(f"compute_log_probs({request_id}) aborted on {self.server_id}")
         plps = out.prompt_logprobs

@@ -24,9 +24,10 @@ from offbeat.core.agent.parsers import TOOL_PARSERS, ParseResult
 from offbeat.core.agent.tools import Tool, ToolResult, ToolRunner
 from offbeat.core.agent.turns import TrajectoryBuilder, TurnTemplate
 from offbeat.core.data import Trajectory
+from offbeat.core.data.vision import MULTI_MODAL_DATA, VisionPrompt, encode_vision_text
 from offbeat.core.rewards import RewardRegistry
 from offbeat.core.rollout.protocol import sample_params
-from offbeat.core.tasks.images import row_images
+from offbeat.core.tasks.images import content_parts, decode_image, row_images
 from offbeat.core.tasks.rows import reward_fields, row_messages
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, check_row
 
@@ -110,22 +111,31 @@ class ToolAgentLoop(SingleTurnAgentLoop):
         self.template = TurnTemplate(tokenizer, self.config.eos_ids, lock=self._tokenizer_lock)
 
     # ---- CPU work, in the loop's threads ----------------------------------------------
-    def prompt_ids(self, row: Mapping[str, Any]) -> list[int]:
-        if row_images(row):
-            raise GroupFailed(
-                "the row has images: the tool loop does not send images to the engine yet "
-                "(the single-turn loop does)",
-                "prompt_error",
-            )
-        ids = self.template.prompt_ids(
-            row_messages(row, self.prompt_key), self.runner.schemas() or None
-        )
+    def prompt(self, row: Mapping[str, Any]) -> VisionPrompt:
+        """The row's prompt with the tool schemas; a row with images goes through the
+        processor (placeholders widened; every turn's request sends the images)."""
+        messages = row_messages(row, self.prompt_key)
+        tools = self.runner.schemas() or None
+        images = row_images(row)
+        if images:
+            if self.processor is None:
+                raise GroupFailed(
+                    "the row has images but the model has no processor (AutoProcessor) "
+                    "to tokenise them", "prompt_error"
+                )  # fmt: skip
+            pil = [decode_image(im) for im in images]
+            text = self.template.prompt_text(content_parts(messages), tools)
+            with self._tokenizer_lock:
+                prompt = encode_vision_text(self.processor, text, pil)
+        else:
+            prompt = VisionPrompt(self.template.prompt_ids(messages, tools), {}, [])
+        ids = prompt.prompt_ids
         if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
             raise GroupFailed(
                 f"prompt has {len(ids)} tokens > data.max_prompt_length={self.max_prompt_length}",
                 "prompt_too_long",
             )
-        return ids
+        return prompt
 
     def _decode(self, ids: Sequence[int]) -> str:
         with self._tokenizer_lock:
@@ -151,6 +161,8 @@ class ToolAgentLoop(SingleTurnAgentLoop):
             s.count("turns")
             s.count("prompt_tokens", len(s.traj.ids))
             s.count("cached_tokens", int(out.extra.get("num_cached_tokens") or 0))
+            if MULTI_MODAL_DATA in params:  # the trainer's forward would seek an image
+                self._check_no_placeholders([out])
             s.traj.policy(out.token_ids, out.logprobs)
             lo, hi = int(out.min_weight_version), int(out.max_weight_version)
             s.min_version = lo if s.min_version is None else min(s.min_version, lo)
@@ -204,7 +216,7 @@ class ToolAgentLoop(SingleTurnAgentLoop):
         """`n` scored trajectories for `row`; raises `GroupFailed`."""
         check_row(row, self.prompt_key, self.rewards)
         try:
-            prompt = await self._off_loop(self.prompt_ids, row)
+            vision_prompt = await self._off_loop(self.prompt, row)
         except GroupFailed:
             raise
         except Exception as e:
@@ -213,6 +225,9 @@ class ToolAgentLoop(SingleTurnAgentLoop):
             ) from e
         overrides = {k: v for k, v in (row.get("sampling") or {}).items() if v is not None}
         params = {**self.sampling, **overrides, **(sampling or {})}
+        prompt = vision_prompt.prompt_ids
+        if vision_prompt.images:  # every turn's prompt starts with the images
+            params[MULTI_MODAL_DATA] = vision_prompt.multi_modal_data()
         budget = params.pop("max_tokens", None)
         budget = int(budget or params.pop("max_new_tokens", None) or 0)
         params.pop("max_new_tokens", None)
@@ -239,6 +254,7 @@ class ToolAgentLoop(SingleTurnAgentLoop):
                 session_id=f"{uid}-{i}",
                 response_mask=s.traj.mask,
                 info=s.info,
+                multi_modal=vision_prompt.model_inputs or None,
             )
             for i, (s, reward) in enumerate(zip(sessions, rewards, strict=True))
         ]

@@ -49,6 +49,22 @@ def eos_token_ids(tokenizer: Any, extra: int | Sequence[int] | None = None) -> l
     return out
 
 
+def _render_text(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    kwargs: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    return tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **kwargs,
+    )
+
+
 def _render(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -58,12 +74,8 @@ def _render(
 ) -> list[int]:
     """The template's text for `messages`, encoded without extra special tokens (the
     template writes its own), as `encode_prompt` does for prompts."""
-    kwargs: dict[str, Any] = {"tools": list(tools)} if tools else {}
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **kwargs,
+    text = _render_text(
+        tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -137,6 +149,16 @@ class TurnTemplate:
         with the assistant turn opened."""
         with self.lock:
             return _render(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
+
+    def prompt_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """`prompt_ids`' text, not encoded: a prompt with images goes through the
+        model's processor from it (each image placeholder widened to its tokens)."""
+        with self.lock:
+            return _render_text(self.tokenizer, messages, add_generation_prompt=True, tools=tools)
 
     def render(
         self,

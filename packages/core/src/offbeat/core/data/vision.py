@@ -23,6 +23,7 @@ __all__ = [
     "MULTI_MODAL_DATA",
     "VisionPrompt",
     "encode_vision_prompt",
+    "encode_vision_text",
     "has_vision",
     "load_processor",
     "png_bytes",
@@ -87,6 +88,13 @@ def encode_vision_prompt(
     """The prompt of `messages` (content as text/image parts) with `images` (PIL, in
     placeholder order) through `processor`, with the assistant turn opened."""
     text = processor.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return encode_vision_text(processor, text, images)
+
+
+def encode_vision_text(processor: Any, text: str, images: Sequence[Any]) -> VisionPrompt:
+    """A rendered prompt `text` (one placeholder per image, as the chat template writes
+    it) with `images` (PIL, in placeholder order) through `processor`: the prompt of a
+    template rendered elsewhere (the tool loop's, with its tool schemas)."""
     enc = processor(text=[text], images=list(images) or None, return_tensors="pt")
     ids = [int(t) for t in enc["input_ids"][0]]
     inputs = {k: enc[k] for k in _VISION_KEYS if k in enc and enc[k] is not None}

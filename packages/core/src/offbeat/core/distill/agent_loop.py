@@ -5,6 +5,8 @@ Wraps any agent loop with `sample(uid, row, n, sampling) -> list[Trajectory]`: r
 the row to a teacher, asks that teacher for the log-prob of every response token (all of
 the group's trajectories at once, while the rollout goes on with other groups), and
 stores them in each trajectory's extras beside the student's rollout log-probs. A
+row with images has them sent with its sequences (a vision-language teacher scores the
+student's widened image placeholders with the same images). A
 teacher that still fails after its retries fails the group (`GroupFailed`: evicted,
 counted, refilled by the rollout driver), never the run. A group's teacher calls are in
 flight in the run's progress registry (stage "teacher", keyed by teacher). Knows nothing
@@ -19,6 +21,7 @@ from typing import Any
 
 from offbeat.core import progress
 from offbeat.core.data import Trajectory
+from offbeat.core.data.vision import png_bytes
 from offbeat.core.distill.advantages import (
     TEACHER_ID,
     TEACHER_LOG_PROBS,
@@ -26,9 +29,21 @@ from offbeat.core.distill.advantages import (
     TEACHER_TOP_LOG_PROBS,
 )
 from offbeat.core.distill.teachers import TeacherPool, TeacherRouter, TeacherScoringError
+from offbeat.core.tasks.images import decode_image, row_images
 from offbeat.core.trainer.agent_loop import GroupFailed
 
-__all__ = ["DistillAgentLoop"]
+__all__ = ["DistillAgentLoop", "row_multi_modal_data"]
+
+
+def row_multi_modal_data(row: Mapping[str, Any]) -> dict[str, list[bytes]] | None:
+    """A row's images as a teacher's scoring request takes them (`{"image": [PNG bytes,
+    ...]}`, decoded and re-encoded as the student's prompt sent them to its engine), or
+    None for a text row. The student's prompt ids hold the images' widened placeholders:
+    a vision-language teacher scores them with the same images."""
+    images = row_images(row)
+    if not images:
+        return None
+    return {"image": [png_bytes(decode_image(im)) for im in images]}
 
 
 class DistillAgentLoop:
@@ -56,13 +71,14 @@ class DistillAgentLoop:
             raise GroupFailed(str(e)) from e
         trajectories = await self.agent.sample(uid, row, n, sampling)
         k = self.top_k
+        mm = await asyncio.to_thread(row_multi_modal_data, row)  # PNG encoding: off the loop
         try:
             with progress.working("teacher", teacher, f"group {uid}"):
                 scores = await asyncio.gather(
                     *(
-                        self.teachers.score_top(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids), k)
+                        self.teachers.score_top(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids), k, mm)
                         if k
-                        else self.teachers.score(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids))
+                        else self.teachers.score(teacher, [*t.prompt_ids, *t.response_ids], len(t.prompt_ids), mm)
                         for t in trajectories
                         if t.response_ids
                     )

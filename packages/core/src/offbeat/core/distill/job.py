@@ -156,9 +156,11 @@ async def _evaluate_teachers(agent: Any, pool: TeacherPool, rows: list, d: Disti
         client = PartialRolloutClient(
             balancer, PartialRolloutConfig(max_tokens=agent.sampling["max_tokens"])
         )
+        processor = getattr(agent, "processor", None)  # a VLM's: rows with images
         loop = SingleTurnAgentLoop(
-            client, agent.tokenizer, agent.rewards, agent.sampling, prompt_key=agent.prompt_key
-        )
+            client, agent.tokenizer, agent.rewards, agent.sampling, prompt_key=agent.prompt_key,
+            **({"processor": processor} if processor is not None else {}),
+        )  # fmt: skip
         out[name] = await PerTaskValidator(loop, rows, task_key=d.teacher_key).run(f"t-{name}")
     return out
 

@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["TeacherPool", "TeacherRouter", "TeacherScoringError"]
 
 
+def _images_kwarg(multi_modal_data: Any) -> dict[str, Any]:
+    """`{"multi_modal_data": ...}` for a prompt with images, else nothing: a text
+    teacher's replicas are called as before."""
+    return {"multi_modal_data": multi_modal_data} if multi_modal_data else {}
+
+
 class TeacherScoringError(RuntimeError):
     """A sequence could not be scored by its teacher after every retry."""
 
@@ -81,23 +87,28 @@ class TeacherPool:
     def names(self) -> list[str]:
         return list(self.servers)
 
-    async def score(self, teacher: str, token_ids: list[int], start: int) -> list[float]:
+    async def score(
+        self, teacher: str, token_ids: list[int], start: int, multi_modal_data: Any = None
+    ) -> list[float]:
         """The teacher's log-prob of each of `token_ids[start:]`. A failed or timed-out
         call retries (another replica where the balancer has one) up to `max_retries`
-        times, then raises TeacherScoringError."""
+        times, then raises TeacherScoringError. `multi_modal_data`: the prompt's images
+        (`{"image": [PNG bytes, ...]}`), sent to a vision-language teacher with the ids."""
+        mm = _images_kwarg(multi_modal_data)
         out = await self._score(
-            teacher, lambda h, rid: h.compute_log_probs(rid, token_ids, start),
+            teacher, lambda h, rid: h.compute_log_probs(rid, token_ids, start, **mm),
             len(token_ids) - start, lambda r: r,
         )  # fmt: skip
         return [float(x) for x in out]
 
     async def score_top(
-        self, teacher: str, token_ids: list[int], start: int, k: int
+        self, teacher: str, token_ids: list[int], start: int, k: int, multi_modal_data: Any = None
     ) -> dict[str, list]:
         """`score`, plus the teacher's `k` most likely tokens at each scored position:
         `{"log_probs", "top_ids", "top_log_probs"}` (`compute_top_log_probs`)."""
+        mm = _images_kwarg(multi_modal_data)
         return await self._score(
-            teacher, lambda h, rid: h.compute_top_log_probs(rid, token_ids, start, k),
+            teacher, lambda h, rid: h.compute_top_log_probs(rid, token_ids, start, k, **mm),
             len(token_ids) - start, lambda r: r["log_probs"],
         )  # fmt: skip
 

@@ -19,7 +19,13 @@ from typing import Any
 
 from offbeat.core.models.tiny import atomic_build, default_cache_dir
 
-__all__ = ["TINY_VLM_PREFIX", "VISION_TOKENS", "VLM_CHAT_TEMPLATE", "build_tiny_vlm"]
+__all__ = [
+    "TINY_VLM_PREFIX",
+    "VISION_TOKENS",
+    "VLM_CHAT_TEMPLATE",
+    "build_tiny_vlm",
+    "tiny_vlm_processor",
+]
 
 TINY_VLM_PREFIX = "offbeat-tiny-vl"  # model.path that names this build
 _BUILDER_VERSION = 1
@@ -69,6 +75,12 @@ _VISION = {
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
 }
+
+
+def tiny_vlm_processor(image_size: int = 112) -> Any:
+    """The processor a `build_tiny_vlm(image_size=...)` build saves, made without the
+    model (what `offbeat check` renders image prompts with)."""
+    return _processor(image_size)
 
 
 def _processor(image_size: int) -> Any:

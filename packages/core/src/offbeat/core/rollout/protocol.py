@@ -114,6 +114,9 @@ class ScoringRolloutServer(RolloutServer, Protocol):
     (temperature 1, no top-k/top-p) of each of `token_ids[start:]` given the tokens before
     it: `len(token_ids) - start` floats, `start >= 1`. It honours the pause gate like
     `generate`, and an `abort_all()` makes it raise rather than return partial scores.
+    A vision-language server also takes `multi_modal_data=` (the prompt's images,
+    `{"image": [PNG bytes, ...]}`, placeholders widened in `token_ids`), for both
+    methods; callers pass it only for a prompt with images.
     """
 
     async def compute_log_probs(

@@ -37,6 +37,11 @@ def _load(build: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def _images_kwarg(multi_modal_data: Any) -> dict[str, Any]:
+    """`{"multi_modal_data": ...}` when a scored prompt has images, else nothing."""
+    return {"multi_modal_data": multi_modal_data} if multi_modal_data else {}
+
+
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
@@ -52,11 +57,11 @@ class ReplicaActor:
             self.server.generate, getattr(self.server, "generate_group", None)
         )
 
-    async def _call(self, name: str, *args: Any) -> Any:
+    async def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         method = getattr(self.server, name, None)
         if method is None:
             raise NotImplementedError(f"{type(self.server).__name__} has no {name}()")
-        return await _maybe_await(method(*args))
+        return await _maybe_await(method(*args, **kwargs))
 
     # ---- the RolloutServer protocol -------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict):
@@ -65,11 +70,19 @@ class ReplicaActor:
     async def generate_group(self, request_id: str, prompt_ids: list[int], params: dict, n: int):
         return await self._call("generate_group", request_id, prompt_ids, params, n)
 
-    async def compute_log_probs(self, request_id: str, token_ids: list[int], start: int):
-        return await self._call("compute_log_probs", request_id, token_ids, start)
+    # `multi_modal_data` (a scored prompt's images) reaches the server only when given:
+    # a text-only server's methods need not take it.
+    async def compute_log_probs(
+        self, request_id: str, token_ids: list[int], start: int, multi_modal_data: Any = None
+    ):
+        mm = _images_kwarg(multi_modal_data)
+        return await self._call("compute_log_probs", request_id, token_ids, start, **mm)
 
-    async def compute_top_log_probs(self, request_id: str, token_ids: list[int], start: int, k):
-        return await self._call("compute_top_log_probs", request_id, token_ids, start, k)
+    async def compute_top_log_probs(
+        self, request_id: str, token_ids: list[int], start: int, k, multi_modal_data: Any = None
+    ):
+        mm = _images_kwarg(multi_modal_data)
+        return await self._call("compute_top_log_probs", request_id, token_ids, start, k, **mm)
 
     async def abort_all(self) -> None:
         await self._call("abort_all")
@@ -229,14 +242,23 @@ class RemoteRolloutServer:
         return outs
 
     async def compute_log_probs(
-        self, request_id: str, token_ids: list[int], start: int
+        self, request_id: str, token_ids: list[int], start: int, multi_modal_data: Any = None
     ) -> list[float]:
-        return await self.handle.compute_log_probs.remote(request_id, list(token_ids), start)
+        mm = _images_kwarg(multi_modal_data)
+        return await self.handle.compute_log_probs.remote(request_id, list(token_ids), start, **mm)
 
     async def compute_top_log_probs(
-        self, request_id: str, token_ids: list[int], start: int, k: int
+        self,
+        request_id: str,
+        token_ids: list[int],
+        start: int,
+        k: int,
+        multi_modal_data: Any = None,
     ) -> dict[str, list]:
-        return await self.handle.compute_top_log_probs.remote(request_id, list(token_ids), start, k)
+        mm = _images_kwarg(multi_modal_data)
+        return await self.handle.compute_top_log_probs.remote(
+            request_id, list(token_ids), start, k, **mm
+        )
 
     async def abort_all(self) -> None:
         await self.handle.abort_all.remote()

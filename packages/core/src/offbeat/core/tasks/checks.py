@@ -8,10 +8,13 @@ parquet is reported by the reward rule (`offbeat.core.rewards.checks`).
 Registered with `@check` on import (`offbeat.core.trainer.job` imports this module). The
 prompt rule renders prompts exactly as the agent loop does (`encode_prompt` on the row's
 messages) for the first `SAMPLE_ROWS` rows of each file, so a long prompt further in is
-found only at run time (its group fails). It runs only when the tokenizer loads cheaply
+found only at run time (its group fails). A row with images is rendered through the
+model's processor, as the agent loop renders it: its length counts each image's widened
+placeholder (the image's tokens). It runs only when the tokenizer loads cheaply
 and offline: `model.tokenizer_path` or `model.path` a local directory with tokenizer
-files, or `offbeat-tiny:<size>` (whose character tokenizer is written alone, without the
-model). Otherwise it says nothing; a missing or unreadable file is another rule's report.
+files, or `offbeat-tiny:<size>` / `offbeat-tiny-vl` (whose tokenizer or processor is made
+alone, without the model). Otherwise it says nothing; a missing or unreadable file is
+another rule's report.
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ def _load_tokenizer(cfg: Any) -> Any | None:
     """The job's tokenizer when it loads offline without building a model; else None."""
     from transformers import AutoTokenizer
 
+    from offbeat.core.models.tiny_vlm import TINY_VLM_PREFIX, tiny_vlm_processor
+
     m = cfg.model
     source = m.tokenizer_path or m.path
     if not isinstance(source, str) or not source:
         return None
+    if source == TINY_VLM_PREFIX:
+        return tiny_vlm_processor().tokenizer
     if source.startswith(_TINY_PREFIX):
         from offbeat.core.models.tokenizer import save_char_tokenizer
 
@@ -57,19 +64,54 @@ def _load_tokenizer(cfg: Any) -> Any | None:
     return AutoTokenizer.from_pretrained(str(d), trust_remote_code=m.trust_remote_code)
 
 
-def prompt_lengths(path: str | Path, tokenizer: Any, prompt_key: str = "prompt") -> list[int]:
+def _load_processor(cfg: Any) -> Any | None:
+    """The model's image processor (AutoProcessor) when it loads offline without building
+    a model: `offbeat-tiny-vl`'s, or a local `model.path` with processor files; else None."""
+    from offbeat.core.data.vision import load_processor
+    from offbeat.core.models.tiny_vlm import TINY_VLM_PREFIX, tiny_vlm_processor
+
+    m = cfg.model
+    if not isinstance(m.path, str) or not m.path:
+        return None
+    if m.path == TINY_VLM_PREFIX:
+        return tiny_vlm_processor()
+    d = Path(m.path)
+    return load_processor(d, trust_remote_code=m.trust_remote_code) if d.is_dir() else None
+
+
+def prompt_lengths(
+    path: str | Path, tokenizer: Any, prompt_key: str = "prompt", processor: Any | None = None
+) -> list[int]:
     """Token counts of the first `SAMPLE_ROWS` prompts of a parquet file, rendered as the
-    agent loop renders them."""
+    agent loop renders them: a row with images through `processor` (each image's
+    placeholder widened to its tokens) when one is given."""
     import pyarrow.parquet as pq
 
+    from offbeat.core.data.vision import encode_vision_prompt
+    from offbeat.core.tasks.images import IMAGES_KEY, content_parts, decode_image, row_images
     from offbeat.core.tasks.rows import row_messages
     from offbeat.core.trainer.agent_loop import encode_prompt
 
+    pf = pq.ParquetFile(path)
+    columns = [prompt_key]
+    if processor is not None and IMAGES_KEY in pf.schema_arrow.names:
+        columns.append(IMAGES_KEY)
     rows: list[dict[str, Any]] = []
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=SAMPLE_ROWS, columns=[prompt_key]):
+    for batch in pf.iter_batches(batch_size=SAMPLE_ROWS, columns=columns):
         rows = batch.to_pylist()[:SAMPLE_ROWS]
         break
-    return [len(encode_prompt(tokenizer, row_messages(r, prompt_key))) for r in rows]
+    out = []
+    for r in rows:
+        messages = row_messages(r, prompt_key)
+        images = row_images(r) if processor is not None else []
+        if images:
+            pil = [decode_image(im) for im in images]
+            out.append(
+                len(encode_vision_prompt(processor, content_parts(messages), pil).prompt_ids)
+            )
+        else:
+            out.append(len(encode_prompt(tokenizer, messages)))
+    return out
 
 
 def _needs_ground_truth(cfg: Any) -> bool:
@@ -136,9 +178,14 @@ def _prompts_fit_max_prompt_length(cfg: Any, p: Problems) -> None:
         return
     if tokenizer is None:
         return
+    try:
+        processor = _load_processor(cfg)
+    except Exception as e:  # image rows then count as text; the job reports the processor
+        log.debug("prompt-length rule: processor did not load (%s)", e)
+        processor = None
     for key, f in files:
         try:
-            lengths = prompt_lengths(f, tokenizer, cfg.data.prompt_key)
+            lengths = prompt_lengths(f, tokenizer, cfg.data.prompt_key, processor)
         except Exception as e:  # no prompt column or unreadable: reported by the reward rule
             log.debug("prompt-length rule skipped %s (%s)", f, e)
             continue
