@@ -5,10 +5,10 @@ Wraps any agent loop with `sample(uid, row, n, sampling) -> list[Trajectory]`: r
 the row to a teacher, asks that teacher for the log-prob of every response token (all of
 the group's trajectories at once, while the rollout goes on with other groups), and
 stores them in each trajectory's extras beside the student's rollout log-probs. A
-teacher that still fails after its retries fails the group (`GroupFailed`: evicted,
-counted, refilled by the rollout driver), never the run. A group's teacher calls are in
-flight in the run's progress registry (stage "teacher", keyed by teacher). Knows nothing
-about engines or the loss.
+teacher that still fails after its retries fails the group (`GroupFailed`, reason
+`teacher_error`: evicted, counted, refilled by the rollout driver), never the run. A
+group's teacher calls are in flight in the run's progress registry (stage "teacher",
+keyed by teacher). Knows nothing about engines or the loss.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class DistillAgentLoop:
                     )
                 )  # fmt: skip
         except TeacherScoringError as e:
-            raise GroupFailed(str(e)) from e
+            raise GroupFailed(str(e), "teacher_error") from e
         it = iter(scores)
         index = float(self.router.index(teacher))
         for t in trajectories:
