@@ -98,7 +98,7 @@ async def test_with_no_replacement_a_dead_teacher_fails_fast_naming_it():
     while not old.calls:
         await asyncio.sleep(0)
     old.kill()
-    with pytest.raises(TeacherScoringError, match="after 1 attempts.*no replica left"):
+    with pytest.raises(TeacherScoringError, match=r"after 1 attempts.*no replica left"):
         await asyncio.wait_for(call, 5)  # not 3 more attempts waiting for nobody
     assert len(old.calls) == 1
 
