@@ -147,6 +147,7 @@ async def test_in_flight_judge_calls_on_a_killed_judge_are_retried_on_its_replac
     hook.after_step(1, [], None, metrics)
     assert metrics["genrm/replicas_removed"] == 1 and metrics["genrm/replicas_replaced"] == 1
     assert hook.summary()["replaced_replicas"] == {"judge-0": "judge-0-r1"}
+    assert hook.summary()["served_by_replica"] == {"judge-0-r1": 5}  # none answered by judge-0
 
 
 async def test_a_judge_call_waits_for_the_replacement_beyond_its_own_timeout():

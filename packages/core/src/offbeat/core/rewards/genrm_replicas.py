@@ -146,6 +146,7 @@ class BalancedJudgeTransport:
         self.tokenizer, self.cfg = tokenizer, cfg
         self._ids = itertools.count()
         self._checks: set[asyncio.Task] = set()
+        self.served: dict[str, int] = {}  # replica -> calls it answered
 
     @property
     def removed(self) -> list[str]:
@@ -177,6 +178,7 @@ class BalancedJudgeTransport:
             raise
         finally:
             self.balancer.release(lease)
+        self.served[sid] = self.served.get(sid, 0) + 1
         text = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
         return {"choices": [{"text": text}]}
 
@@ -259,7 +261,8 @@ class GenRMStepHook:
 
     def summary(self) -> dict[str, Any]:
         return {**self.totals, "removed_replicas": self.judge.removed_replicas,
-                "replaced_replicas": self.judge.replaced_replicas}  # fmt: skip
+                "replaced_replicas": self.judge.replaced_replicas,
+                "served_by_replica": dict(getattr(self.judge._post, "served", {}))}  # fmt: skip
 
 
 async def start_judge(cfg: Any, judges: dict[str, Any], pools: Any = None) -> Any:
