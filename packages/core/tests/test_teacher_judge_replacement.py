@@ -91,6 +91,19 @@ async def test_in_flight_scoring_on_a_killed_teacher_is_retried_on_its_replaceme
     assert m["distill/math/score_errors"] == 4 and m["distill/math/score_calls"] == 4
 
 
+async def test_a_teacher_retry_waits_for_a_replacement_slower_than_its_timeout():
+    old, starts = Teacher(hold=True), Starts(delay_s=0.5)
+    pool = TeacherPool(
+        {"math": {"math-0": old}}, max_retries=1, retry_delay_s=0, timeout_s=0.2,
+        replacements={"math": Replacement(starts, attempts=2, backoff_s=0.0)},
+    )  # fmt: skip
+    call = asyncio.ensure_future(pool.score("math", [1, 2, 3], 2))
+    while not old.calls:
+        await asyncio.sleep(0)
+    old.kill()
+    assert await asyncio.wait_for(call, 5) == [-1.03]
+
+
 async def test_with_no_replacement_a_dead_teacher_fails_fast_naming_it():
     old = Teacher(hold=True)
     pool = TeacherPool({"math": {"math-0": old}}, max_retries=3, retry_delay_s=0, timeout_s=5)

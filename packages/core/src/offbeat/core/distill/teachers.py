@@ -143,8 +143,10 @@ class TeacherPool:
                     e, attempt + 1,
                 )  # fmt: skip
                 # A dead replica is removed (and a replacement started) before the retry
-                # leases again; none left and none coming: the retries cannot be served.
-                if not await replicas.failed(sid, e):
+                # leases again, which waits for the replacement when no other replica
+                # serves (not cut by `timeout_s`: the start has its own bound); none left
+                # and none coming: the retries cannot be served.
+                if not await replicas.failed(sid, e) or not await replicas.wait_available():
                     break
                 await asyncio.sleep(self.retry_delay_s * (attempt + 1))
                 continue
