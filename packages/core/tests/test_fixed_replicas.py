@@ -128,3 +128,22 @@ async def test_a_second_start_succeeds_and_a_waiter_is_woken():
     assert await asyncio.wait_for(r.wait_available(), 5) is True
     assert r.replaced == {"t-0": "t-0-r2", "t-0-r2": "t-0-r3"}
     await r.close()
+
+
+async def test_after_close_a_failure_starts_nothing():
+    """The run shuts its replicas down and calls fail on them: no replacement then."""
+    a, b = Replica("t-0", dead=True), Replica("t-1", dead=True)
+    balancer = AsyncLoadBalancer({"t-0": a, "t-1": b})
+    starts = Starts(delay_s=10)
+    r = FixedReplicas({"t-0": a, "t-1": b}, balancer, replacement=Replacement(starts, 3, 0.0))
+    await r.failed("t-0", ConnectionError("killed"))  # its replacement is on its way
+    await r.failed("t-1", ConnectionError("killed"))
+    assert set(r.replacing) == {"t-0", "t-1"}
+    waiter = asyncio.ensure_future(r.wait_available())
+    await asyncio.sleep(0)
+    await r.close()  # the start in progress is cancelled, the waiter told
+    assert await asyncio.wait_for(waiter, 1) is False and r.replacing == {}
+    c = Replica("t-2", dead=True)
+    r.servers["t-2"] = c
+    assert await r.failed("t-2", ConnectionError("shut down")) is False
+    assert c.probes == 0 and "t-2" not in r.removed and len(starts.calls) == 2

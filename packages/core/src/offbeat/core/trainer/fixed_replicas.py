@@ -59,6 +59,7 @@ class FixedReplicas:
         self._probes: dict[str, asyncio.Future] = {}
         self._generation: dict[str, int] = {}
         self._changed = asyncio.Event()
+        self.closed = False  # after `close`: failures are not acted on, nothing is started
 
     @property
     def available(self) -> bool:
@@ -67,7 +68,10 @@ class FixedReplicas:
 
     async def failed(self, server_id: str | None, exc: BaseException | None = None) -> bool:
         """A call on `server_id` failed with `exc`: probe it; remove (and replace) it when
-        it does not answer. Returns `available`."""
+        it does not answer. Returns `available`. After `close` (the run is shutting its
+        replicas down, so calls fail on them) it does nothing and returns False."""
+        if self.closed:
+            return False
         if server_id is not None and server_id in self.servers:
             probe = self._probes.get(server_id)
             if probe is None:
@@ -103,7 +107,7 @@ class FixedReplicas:
         self.removed[server_id] = why
         logger.warning("%s %s removed: %s", self.kind, server_id, why)
         r = self.replacement
-        if r is not None and r.attempts > 0 and server_id not in self.replacing:
+        if r is not None and r.attempts > 0 and server_id not in self.replacing and not self.closed:
             self.replacing[server_id] = asyncio.create_task(
                 self._start_replacement(server_id, dead, r), name=f"replace-{server_id}"
             )
@@ -148,7 +152,7 @@ class FixedReplicas:
 
     async def wait_available(self) -> bool:
         """Until a replica serves or none is on its way; True when one serves."""
-        while not self.servers and self.replacing:
+        while not self.servers and self.replacing and not self.closed:
             await self._changed.wait()
         return bool(self.servers)
 
@@ -160,10 +164,12 @@ class FixedReplicas:
         }
 
     async def close(self) -> None:
-        """Stop the replacements still being started."""
+        """Stop the replacements still being started; act on no failure from now on."""
+        self.closed = True
         tasks = [*self.replacing.values(), *self._probes.values()]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
+        self._notify()  # a `wait_available` returns
