@@ -13,8 +13,12 @@ Kills (each at a step drawn from `--seed`; each fires once over all attempts):
 - a hybrid (validation) replica: killed while it answers a validation request leased to
   it (`trainer.validate_on_trainer_devices=true` in both runs); the validation goes on on
   the standalone replica, later validations without it.
-Not covered: OPD teachers and GenRM judges (their recipes build their models first, 6-12
-min each on 2 cores, and start one replica each, which nothing replaces yet).
+- an OPD teacher replica or a GenRM judge replica (`--recipe opd --teacher-kills N`,
+  `--recipe genrm --judge-kills N`): its actor is killed a seeded fraction of a second
+  after a weight sync, while the rollout's groups are being scored on it; the job
+  replaces it in its bundle and the calls in flight on it retry on the replacement (a
+  teacher is drawn per kill from the seed). These recipes build their teachers / judge
+  first (cached under `OFFBEAT_CACHE_DIR`: 6-12 min each on 2 cores when cold).
 
 Each attempt is a process of its own running offbeat's command line (`offbeat.core.cli
 .main`, what `offbeat run` calls); in it this script only adds the replica and hybrid
@@ -24,7 +28,8 @@ either), the wall time against the same job without kills from the same invocati
 the load average (1 min, sampled every 5 s: min / median / max) over each run.
 
     uv run --frozen --no-sync python benchmarks/chaos_soak.py [--steps 100] [--seed 0]
-        [--job-kills 2] [--replica-kills 2] [--hybrid-kills 1] [--save-freq 5] [key=value ...]
+        [--job-kills 2] [--replica-kills 2] [--hybrid-kills 1] [--save-freq 5]
+        [--recipe separate_async|opd|genrm] [--teacher-kills 0] [--judge-kills 0] [key=value ...]
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ import threading
 import time
 from pathlib import Path
 
-RECIPE = "separate_async"
 HYBRID = [  # validation on a hybrid replica beside the trainer, on this CPU machine
     "trainer.validate_on_trainer_devices=true",
     "runtime.ray_num_cpus=3",
@@ -62,6 +66,11 @@ def plan(args) -> dict:
             (s, rng.uniform(0.05, 1.0)) for s in rng.sample(range(1, steps), args.replica_kills)
         ),
         "hybrid": sorted(rng.sample(list(vals), args.hybrid_kills)),
+        # teacher / judge kills: [step, delay, which teacher (an index; judges: 0)]
+        "fixed": sorted(
+            (s, rng.uniform(0.05, 1.0), rng.randrange(64))
+            for s in rng.sample(range(1, steps), args.teacher_kills + args.judge_kills)
+        ),
     }  # fmt: skip
 
 
@@ -83,7 +92,9 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
     import ray
 
     from offbeat.core.cli import main as cli_main
+    from offbeat.core.distill import job as opd_module
     from offbeat.core.trainer import job as job_module
+    from offbeat.core.trainer.fixed_replicas import FixedReplicas
     from offbeat.core.trainer.replicas import ReplicaPool
 
     p = json.loads(Path(plan_path).read_text())
@@ -93,10 +104,36 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
         s: d for s, d in p["replica"] if not any(e.get("replica_step") == s for e in done)
     }
     hybrid_at = [s for s in p["hybrid"] if not any(e.get("hybrid_step") == s for e in done)]
-    real_sync, real_with, real_job = (
-        ReplicaPool.sync, job_module.run_with_replicas, job_module.run_job,
+    fixed_at = {
+        s: (d, w) for s, d, w in p["fixed"] if not any(e.get("fixed_step") == s for e in done)
+    }
+    real_sync, real_with, real_job, real_opd, real_fixed = (
+        ReplicaPool.sync, job_module.run_with_replicas, job_module.run_job, opd_module.run_opd,
+        FixedReplicas.__init__,
     )  # fmt: skip
     validating: dict[str, int] = {}  # the step whose sync the trainer did last
+    fixed: list = []  # every teacher's / the judges' FixedReplicas, in creation order
+
+    def fixed_init(self, *a, **kw):
+        real_fixed(self, *a, **kw)
+        fixed.append(self)
+
+    def kill_fixed(step: int, version: int) -> None:
+        """Kill the first live replica of a teacher drawn by the plan (or of the judges)."""
+        delay, which = fixed_at.pop(step)
+        if not fixed:
+            return
+        target = sorted(fixed, key=lambda f: f.kind)[which % len(fixed)]
+
+        def kill() -> None:
+            if not target.servers:
+                return
+            victim = sorted(target.servers)[0]
+            ray.kill(target.servers[victim].handle)
+            _event(events, fixed_step=step, what=f"{target.kind} replica {victim} killed "
+                   f"{delay:.2f} s after the sync of v{version}")  # fmt: skip
+
+        asyncio.get_running_loop().call_later(delay, kill)
 
     async def sync(self, named_tensors, version):
         result = await real_sync(self, named_tensors, version)
@@ -112,6 +149,8 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
                        f"{delay:.2f} s after the sync of v{version}")  # fmt: skip
 
             asyncio.get_running_loop().call_later(delay, kill)
+        for step in sorted(x for x in fixed_at if x <= version):  # opd syncs every 2 steps
+            kill_fixed(step, version)
         return result
 
     async def kill_hybrids(hybrids: dict) -> None:
@@ -143,8 +182,7 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
         finally:
             killer.cancel()
 
-    async def run_job(cfg):
-        summary = await real_job(cfg)
+    def write(summary) -> None:
         led = summary["trainer"].buffer.core.prompts
         s = summary["prompts"]
         positions = [r.position for r in led.records()]
@@ -154,13 +192,25 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
             "lost": len(set(range(s["first_position"], s["next_position"])) - set(positions)),
             "removed": summary["removed_replicas"], "replaced": summary["replaced_replicas"],
             "hybrid_lost": summary["hybrid_lost"],
+            "fixed": {f.kind: f.summary() for f in fixed},  # teachers' / judges' replicas
             "val": summary["val_history"],
         }))  # fmt: skip
+
+    async def run_job(cfg):
+        summary = await real_job(cfg)
+        write(summary)
+        return summary
+
+    async def run_opd(cfg):
+        summary = await real_opd(cfg)
+        write(summary)
         return summary
 
     ReplicaPool.sync = sync
+    FixedReplicas.__init__ = fixed_init
     job_module.run_with_replicas = run_with_replicas
-    job_module.run_job = run_job  # the recipe's main imports it after this
+    job_module.run_job = run_job  # the recipe's main imports it after this (genrm calls it)
+    opd_module.run_opd = run_opd  # opd's main imports it after this
     return cli_main(argv)
 
 
@@ -200,7 +250,9 @@ def _group_left(pgid: int) -> list[str]:
     return [x.strip()[:80] for x in out.stdout.splitlines() if x.strip()]
 
 
-def run_until_done(name: str, overrides: list[str], root: Path, p: dict, log: list[str]):
+def run_until_done(
+    recipe: str, name: str, overrides: list[str], root: Path, p: dict, log: list[str]
+):
     """Attempts of `offbeat run` until one ends; SIGKILL at each planned job kill.
     Returns the last run's ledger counts, the restarts, the wall time, the load."""
     exp = root / name
@@ -212,7 +264,7 @@ def run_until_done(name: str, overrides: list[str], root: Path, p: dict, log: li
     job_at = list(p["job"])
     t0, restarts, load = time.perf_counter(), 0, Load()
     while True:
-        argv = ["run", RECIPE, *overrides, f"trainer.resume={'true' if restarts else 'false'}"]
+        argv = ["run", recipe, *overrides, f"trainer.resume={'true' if restarts else 'false'}"]
         attempt_log = exp / f"attempt-{restarts}.log"
         skip = len(metrics.read_text().splitlines()) if metrics.exists() else 0
         with attempt_log.open("w") as f:
@@ -248,7 +300,7 @@ def run_until_done(name: str, overrides: list[str], root: Path, p: dict, log: li
             log.append(f"  {len(left)} processes of the killed job outlived it by 30 s: {left}")
             os.killpg(proc.pid, signal.SIGKILL)
         restarts += 1
-        log.append(f"  restart {restarts}: offbeat run {RECIPE} ... trainer.resume=true")
+        log.append(f"  restart {restarts}: offbeat run {recipe} ... trainer.resume=true")
     wall = time.perf_counter() - t0
     for e in _fired(events):
         log.append(f"  [{name}] {e['what']}")
@@ -267,7 +319,17 @@ def main() -> None:
     ap.add_argument("--save-freq", type=int, default=5)
     ap.add_argument("--test-freq", type=int, default=10)
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument(
+        "--recipe", default="separate_async", choices=["separate_async", "opd", "genrm"]
+    )
+    ap.add_argument("--teacher-kills", type=int, default=0, help="opd: teacher replica kills")
+    ap.add_argument("--judge-kills", type=int, default=0, help="genrm: judge replica kills")
     args, extra = ap.parse_known_args()
+    wrong = (args.teacher_kills and args.recipe != "opd") or (
+        args.judge_kills and args.recipe != "genrm"
+    )
+    if wrong:
+        ap.error("--teacher-kills needs --recipe opd, --judge-kills --recipe genrm")
     root = Path(tempfile.mkdtemp(prefix="chaos_soak-"))
     common = [
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}",
@@ -282,13 +344,14 @@ def main() -> None:
 
     print(f"load average at the start: {os.getloadavg()} on {os.cpu_count()} CPUs", flush=True)
     log: list[str] = []
-    none = {"job": [], "replica": [], "hybrid": []}
+    none = {"job": [], "replica": [], "hybrid": [], "fixed": []}
     base = None
+    print(f"recipe {args.recipe}", flush=True)
     if not args.skip_baseline:
-        base = run_until_done("baseline", named("baseline"), root, none, log)
+        base = run_until_done(args.recipe, "baseline", named("baseline"), root, none, log)
         print(f"baseline done in {base[2]:.0f} s", flush=True)
     p = plan(args)
-    chaos = run_until_done("chaos", named("chaos"), root, p, log)
+    chaos = run_until_done(args.recipe, "chaos", named("chaos"), root, p, log)
     print("\n".join(log))
 
     def row(what: str, r, kills: dict) -> str:
@@ -297,17 +360,19 @@ def main() -> None:
         reasons = q["failed_by_reason"] or ""
         return (
             f"| {what} | {res['steps']} | {kills.get('job', 0)} | {kills.get('replica', 0)} | "
-            f"{kills.get('hybrid', 0)} | {restarts} | {q['drawn']} | {q['trained']} | "
+            f"{kills.get('hybrid', 0)} | {kills.get('fixed', 0)} | {restarts} | {q['drawn']} | "
+            f"{q['trained']} | "
             f"{q['evicted']} | {q['failed']} {reasons} | {q['in_flight']} | {res['lost']} | "
             f"{res['duplicated']} | {wall:.0f} | {load} |"
         )
 
     fired = chaos[4]
-    kills = {k: sum(f"{k}_step" in e for e in fired) for k in ("job", "replica", "hybrid")}
+    kinds = ("job", "replica", "hybrid", "fixed")
+    kills = {k: sum(f"{k}_step" in e for e in fired) for k in kinds}
     print(
-        "\n| run | steps | job SIGKILLs | replica kills | hybrid kills | restarts | prompts "
-        "drawn | trained | evicted | failed | in flight | lost | duplicated | wall s | "
-        "load min / median / max |\n|" + "---|" * 15
+        "\n| run | steps | job SIGKILLs | replica kills | hybrid kills | teacher / judge kills "
+        "| restarts | prompts drawn | trained | evicted | failed | in flight | lost | "
+        "duplicated | wall s | load min / median / max |\n|" + "---|" * 16
     )
     if base is not None:
         print(row("baseline (no kills)", base, {}))
@@ -317,7 +382,8 @@ def main() -> None:
     print(
         f"\noverhead {ratio}resumes {q['resumes']}, re-issued {q['reissued']}; replicas "
         f"removed {chaos[0]['removed']}, replaced {chaos[0]['replaced']}, hybrid lost "
-        f"{chaos[0]['hybrid_lost']}; validation {chaos[0]['val']}; planned {p}"
+        f"{chaos[0]['hybrid_lost']}; teachers / judges {chaos[0].get('fixed')}; validation "
+        f"{chaos[0]['val']}; planned {p}"
     )
     print(f"load average at the end: {os.getloadavg()}; runs in {root}")
 

@@ -1,4 +1,5 @@
-"""Judge calls through the balancer over fake judge replicas: a dead one is removed."""
+"""Judge calls through the balancer over fake judge replicas: a dead one is removed, and
+replaced when the transport has a `Replacement`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ class Replica:
         if self.dead:
             raise RuntimeError("replica died")
         return SimpleNamespace(token_ids=[ord(c) for c in self.reply])
+
+    async def refresh(self):  # the health probe after a failed call
+        if self.dead:
+            raise RuntimeError("replica died")
+        return 0
 
 
 def test_dead_judge_replica_is_removed_and_scoring_goes_on():

@@ -276,19 +276,22 @@ class _Handle:
         raise AttributeError(name)
 
 
-def test_trainer_actors_are_its_ranks_and_replicas_with_the_stacks_method():
+def test_trainer_actors_are_its_ranks_the_separate_critic_and_reference_ranks_and_replicas():
     from types import SimpleNamespace as NS
 
     r0, r1, a, b, g, hy = (_Handle(True), _Handle(True), _Handle(True), _Handle(False),
                            _Handle(True), _Handle(True))  # fmt: skip
+    c0, f0 = _Handle(True), _Handle(True)
+    critic, ref = NS(roles=("critic",), handles=[c0]), NS(roles=("reference",), handles=[f0])
     trainer = NS(
-        engine=NS(handles=[r0, r1]),
+        engine=NS(handles=[r0, r1], linked=[critic, ref]),  # critic/ref.placement=separate
         pool=NS(servers={"rollout-0": NS(handle=a), "sglang-0": NS(handle=b),
                          "local": object()}, guests={"guest-0": NS(handle=g)}),
         hybrid=NS(servers={"hybrid-0": NS(handle=hy)}),
     )  # fmt: skip
     assert trainer_actors(trainer) == {
-        "trainer rank 0": r0, "trainer rank 1": r1, "replica rollout-0": a,
+        "trainer rank 0": r0, "trainer rank 1": r1, "critic rank 0": c0, "reference rank 0": f0,
+        "replica rollout-0": a,
         "replica guest-0": g, "replica hybrid-0": hy,
     }  # fmt: skip
     local = NS(engine=object(), pool=NS(servers={"s0": object()}, guests={}), hybrid=None)

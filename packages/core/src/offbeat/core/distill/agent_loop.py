@@ -7,10 +7,10 @@ the group's trajectories at once, while the rollout goes on with other groups), 
 stores them in each trajectory's extras beside the student's rollout log-probs. A
 row with images has them sent with its sequences (a vision-language teacher scores the
 student's widened image placeholders with the same images). A
-teacher that still fails after its retries fails the group (`GroupFailed`: evicted,
-counted, refilled by the rollout driver), never the run. A group's teacher calls are in
-flight in the run's progress registry (stage "teacher", keyed by teacher). Knows nothing
-about engines or the loss.
+teacher that still fails after its retries fails the group (`GroupFailed`, reason
+`teacher_error`: evicted, counted, refilled by the rollout driver), never the run. A
+group's teacher calls are in flight in the run's progress registry (stage "teacher",
+keyed by teacher). Knows nothing about engines or the loss.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class DistillAgentLoop:
                     )
                 )  # fmt: skip
         except TeacherScoringError as e:
-            raise GroupFailed(str(e)) from e
+            raise GroupFailed(str(e), "teacher_error") from e
         it = iter(scores)
         index = float(self.router.index(teacher))
         for t in trajectories:

@@ -5,7 +5,9 @@ resource pools plus one named pool per teacher (`teacher-<name>`: a bundle per r
 starts the student's rollout replicas and every teacher's replicas in their bundles from
 the same `rollout.engine` factory, and runs the separate_async job with three hooks: the rollout's agent loop scores each finished group
 on its teacher, the trainer's batch hook turns teacher log-probs into advantages, and
-validation reports reward per task. At the end each teacher is validated on every task.
+validation reports reward per task. A teacher replica that dies is replaced in its
+bundle (`teacher_replacements`; the scoring calls on it retry on the replacement). At the
+end each teacher is validated on every task.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "teacher_job",
     "teacher_pool",
     "teacher_pool_specs",
+    "teacher_replacements",
 ]
 
 
@@ -112,6 +115,31 @@ def start_teachers(
                 opts["scheduling_strategy"] = pools.strategy(teacher_pool(name), i)
             spec = ReplicaSpec(job, str(model_dirs[name]), i, ray_options=opts)
             out[name][f"{name}-{i}"] = start_replica(spec)
+    return out
+
+
+def teacher_replacements(
+    cfg: RunConfig, d: DistillationConfig, model_dirs: dict[str, Path], pools: Any = None
+) -> dict[str, Any]:
+    """{teacher: Replacement}: a dead replica `<name>-<i>` of a teacher is replaced by one
+    started as `start_teachers` starts it, in its bundle; {} when
+    `runtime.replica_replace_attempts` is 0."""
+    from offbeat.core.rollout.replica_spec import ReplicaSpec
+    from offbeat.core.trainer.elastic import bundle_replacement
+
+    if cfg.runtime.replica_replace_attempts <= 0:
+        return {}
+    out = {}
+    for name, t in d.teachers.items():
+        job = teacher_job(cfg, d, name)
+        placed = pools is not None and teacher_pool(name) in pools.groups
+
+        def spec(i: int, new_id: str, job: Any = job, name: str = name, placed=placed) -> Any:
+            opts = {"scheduling_strategy": pools.strategy(teacher_pool(name), i)} if placed else {}
+            return ReplicaSpec(job, str(model_dirs[name]), i, server_id=new_id, ray_options=opts)
+
+        slots = {f"{name}-{i}": i for i in range(t.replicas)}
+        out[name] = bundle_replacement(spec, slots, cfg.runtime)
     return out
 
 
@@ -209,12 +237,16 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
     servers = start_replicas(p, pools)
     teacher_servers = start_teachers(p.cfg, d, teacher_dirs, pools)
     everything = {**servers, **{k: v for s in teacher_servers.values() for k, v in s.items()}}
+    pool = None
     try:
         await asyncio.gather(*(s.refresh() for t in teacher_servers.values() for s in t.values()))
         router = TeacherRouter(
             list(d.teachers), teacher_key=d.teacher_key, default=d.default_teacher
         )
-        pool = TeacherPool(teacher_servers, max_retries=d.max_retries, timeout_s=d.timeout_s)
+        pool = TeacherPool(
+            teacher_servers, max_retries=d.max_retries, timeout_s=d.timeout_s,
+            replacements=teacher_replacements(p.cfg, d, teacher_dirs, pools),
+        )  # fmt: skip
         settings = TrainerSettings.from_job(p.cfg)
         validators: list[PerTaskValidator] = []
 
@@ -239,7 +271,11 @@ async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
         summary["teacher_val"] = await _evaluate_teachers(agents[0], pool, val_rows, d)
         summary["student_val"] = validators[0].history
         summary["routed"] = dict(router.counts)
+        summary["teachers"] = pool.summary()  # removed, replaced, given up (per teacher)
     finally:
+        if pool is not None:
+            await pool.close()
+            everything.update(pool.started)  # the replacements it started
         await shutdown_replicas(everything)
         pools.remove()
     history = summary["trainer"].tracker.history

@@ -4,9 +4,12 @@
 e.g. `data_source`), with an optional default. `TeacherPool` holds one balancer per
 teacher over that teacher's replicas (anything with `compute_log_probs`, see
 `ScoringRolloutServer`) and scores (prompt + response) token sequences with retries on
-other replicas, keeping per-teacher counts and latencies. Knows nothing about how the
-replicas were started (a local pool today, a named Ray pool tomorrow: the pool only
-takes `{teacher: {server_id: server}}`) or about training.
+other replicas, keeping per-teacher counts and latencies. A replica a call failed on is
+probed, and one that does not answer is removed and, given a teacher's `Replacement`,
+replaced (`offbeat.core.trainer.fixed_replicas.FixedReplicas`): the retries wait in the
+balancer for the replacement. Knows nothing about how the replicas are started (the pool
+only takes `{teacher: {server_id: server}}` and the replacements the job gives) or about
+training.
 """
 
 from __future__ import annotations
@@ -72,11 +75,25 @@ class TeacherPool:
         max_retries: int = 2,
         timeout_s: float = 120.0,
         retry_delay_s: float = 0.5,
+        replacements: Mapping[str, Any] | None = None,
+        health_timeout_s: float = 30.0,
     ) -> None:
         from offbeat.balancer.aio import AsyncLoadBalancer
+        from offbeat.core.trainer.fixed_replicas import FixedReplicas
 
         self.servers = {name: dict(s) for name, s in servers.items()}
         self.balancers = {name: AsyncLoadBalancer(dict(s)) for name, s in self.servers.items()}
+        replacements = dict(replacements or {})
+        # Per teacher: its live replicas (the same dicts as `servers`), removals, replacements.
+        self.replicas = {
+            name: FixedReplicas(
+                self.servers[name], b, replacement=replacements.get(name),
+                health_timeout_s=health_timeout_s, kind=f"teacher {name}",
+            )
+            for name, b in self.balancers.items()
+        }  # fmt: skip
+        for name, r in self.replicas.items():
+            self.servers[name] = r.servers  # one dict: replacements show up in `servers`
         self.max_retries = max_retries
         self.timeout_s = timeout_s
         self.retry_delay_s = retry_delay_s
@@ -116,11 +133,14 @@ class TeacherPool:
         balancer = self.balancers[teacher]
         self._calls += 1
         rid = f"{teacher}-score-{self._calls}"
+        replicas = self.replicas[teacher]
         last: BaseException | None = None
         for attempt in range(self.max_retries + 1):
             t0 = time.perf_counter()
+            sid = None
             try:
                 async with balancer.lease(rid, timeout=self.timeout_s) as lease:
+                    sid = lease.server_id
                     out = await asyncio.wait_for(
                         call(lease.handle, f"{rid}-{attempt}"), self.timeout_s
                     )
@@ -130,8 +150,15 @@ class TeacherPool:
                 last = e
                 self._add(teacher, errors=1)
                 logger.warning(
-                    "teacher %s: scoring %s failed (%s), attempt %d", teacher, rid, e, attempt + 1
-                )
+                    "teacher %s: scoring %s failed on %s (%s), attempt %d", teacher, rid, sid,
+                    e, attempt + 1,
+                )  # fmt: skip
+                # A dead replica is removed (and a replacement started) before the retry
+                # leases again, which waits for the replacement when no other replica
+                # serves (not cut by `timeout_s`: the start has its own bound); none left
+                # and none coming: the retries cannot be served.
+                if not await replicas.failed(sid, e) or not await replicas.wait_available():
+                    break
                 await asyncio.sleep(self.retry_delay_s * (attempt + 1))
                 continue
             n = len(log_probs(out))
@@ -141,10 +168,24 @@ class TeacherPool:
                 continue
             self._add(teacher, calls=1, tokens=n, latency_s=time.perf_counter() - t0)
             return out
+        left = "" if replicas.available else f"; no replica left: {replicas.summary()}"
         raise TeacherScoringError(
-            f"teacher {teacher!r} could not score a sequence after {self.max_retries + 1} "
-            f"attempts: {type(last).__name__}: {last}"
+            f"teacher {teacher!r} could not score a sequence after {attempt + 1} "
+            f"attempts: {type(last).__name__}: {last}{left}"
         )
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per teacher: the replicas removed (why), replaced (by which), given up on."""
+        return {name: r.summary() for name, r in self.replicas.items()}
+
+    @property
+    def started(self) -> dict[str, Any]:
+        """Every replacement the pool started (for the job to shut down)."""
+        return {k: v for r in self.replicas.values() for k, v in r.started.items()}
+
+    async def close(self) -> None:
+        for r in self.replicas.values():
+            await r.close()
 
     def _add(self, teacher: str, **values: float) -> None:
         s = self._stats.setdefault(teacher, defaultdict(float))

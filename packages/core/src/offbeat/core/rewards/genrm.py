@@ -206,9 +206,15 @@ class GenRMJudge:
         payload = {"model": self.cfg.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens,
                    "temperature": 0.0}  # fmt: skip
         last: Exception | None = None
-        for _ in range(self.cfg.retries + 1):
+        # A transport over replicas (`BalancedJudgeTransport`) can say, after a failure,
+        # when a replica serves again (a dead one's replacement joined): the retry waits
+        # for that outside the per-call timeout, or stops when none is left.
+        settle = getattr(self._post, "settle", None)
+        tries = 0
+        while tries <= self.cfg.retries:
             url = self.urls[self._next % len(self.urls)]
             self._next += 1
+            tries += 1
             t = time.monotonic()
             try:
                 async with self._sem:
@@ -219,7 +225,9 @@ class GenRMJudge:
             except Exception as e:  # timeout, refused, bad body: try the next replica
                 self.errors += 1
                 last = e
-        raise RewardError(f"genrm: judge failed {self.cfg.retries + 1} times: {last!r}")
+            if settle is not None and not await settle():
+                break  # no replica left and none on its way
+        raise RewardError(f"genrm: judge failed {tries} times: {last!r}")
 
     async def _judge(self, prompt: str) -> float:
         text = await self._call(prompt)
@@ -256,6 +264,11 @@ class GenRMJudge:
     def removed_replicas(self) -> list[str]:
         """Judge replicas the transport removed after a failed call (none over a URL)."""
         return list(getattr(self._post, "removed", []))
+
+    @property
+    def replaced_replicas(self) -> dict[str, str]:
+        """Dead judge replica -> the replacement that serves in its place."""
+        return dict(getattr(self._post, "replaced", {}))
 
     def metrics(self) -> dict[str, float]:
         dt = max(time.monotonic() - self._t0, 1e-9)

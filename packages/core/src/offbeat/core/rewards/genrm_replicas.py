@@ -6,8 +6,9 @@ config of their own (`judge_job`) in a named resource pool of their own (`judge_
 to call a replica handle (`handle.generate`, a Ray actor's `.remote` or a plain
 coroutine), and the trainer step hook that logs the judge's metrics. Judges never get
 weight syncs: nothing here hands them to the checkpoint engine. Knows nothing else of the
-trainer; a replica that fails a call is removed from the balancer and the retry goes to
-another.
+trainer; a replica that fails a call and does not answer a probe is removed from the
+balancer and replaced in its bundle (`judge_replacement`); the retry goes to another
+replica, or waits for the replacement.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def judge_pools(cfg: Any) -> list[Any]:
     return [PoolSpec("judge", spec.bundles, spec.bundle)]
 
 
+def _judge_options(pools: Any, i: int) -> dict[str, Any]:
+    """Judge replica i's bundle of `pools`' "judge" pool (none without that pool)."""
+    if pools is not None and "judge" in pools.groups:
+        return {"scheduling_strategy": pools.strategy("judge", i)}
+    return {}
+
+
 def start_judges(cfg: Any, pools: Any = None) -> dict[str, Any]:
     """Start the `reward.genrm.replicas` judge replicas of `reward.genrm.model_path` (a
     directory: `resolve_judge_model` first) from the `rollout.engine` factory, not awaited,
@@ -88,35 +96,71 @@ def start_judges(cfg: Any, pools: Any = None) -> dict[str, Any]:
     if cfg.reward.name != "genrm" or n <= 0:
         return {}
     job = judge_job(cfg)
-    placed = pools is not None and "judge" in pools.groups
-
-    def options(i: int) -> dict[str, Any]:
-        return {"scheduling_strategy": pools.strategy("judge", i)} if placed else {}
-
     return {
-        f"judge-{i}": start_replica(ReplicaSpec(job, job.model.path, i, ray_options=options(i)))
+        f"judge-{i}": start_replica(
+            ReplicaSpec(job, job.model.path, i, ray_options=_judge_options(pools, i))
+        )
         for i in range(n)
     }
 
 
+def judge_replacement(cfg: Any, pools: Any = None) -> Any:
+    """How a dead judge replica `judge-<i>` is replaced: one started as `start_judges`
+    starts it, in its bundle (`offbeat.core.trainer.elastic.bundle_replacement`); None
+    when `runtime.replica_replace_attempts` is 0 or no judge replica is asked for."""
+    from offbeat.core.rollout.replica_spec import ReplicaSpec
+    from offbeat.core.trainer.elastic import bundle_replacement
+
+    n = int(dict(cfg.reward.genrm or {}).get("replicas", 0))
+    if cfg.reward.name != "genrm" or n <= 0 or cfg.runtime.replica_replace_attempts <= 0:
+        return None
+    job = judge_job(cfg)
+
+    def spec(i: int, new_id: str) -> Any:
+        return ReplicaSpec(
+            job, job.model.path, i, server_id=new_id, ray_options=_judge_options(pools, i)
+        )
+
+    return bundle_replacement(spec, {f"judge-{i}": i for i in range(n)}, cfg.runtime)
+
+
 class BalancedJudgeTransport:
     """A `Post` for `GenRMJudge` (its url argument is ignored): tokenises the prompt with
-    the judge tokenizer, leases a replica from the balancer, generates, detokenises."""
+    the judge tokenizer, leases a replica from the balancer (waiting for one: the judge's
+    per-call timeout bounds it), generates, detokenises. A replica a call failed on (or
+    timed out on) is probed and, when it does not answer, removed and, with a
+    `replacement`, replaced (`FixedReplicas`); `settle()` waits until a replica serves or
+    none is on its way (the judge awaits it before a retry)."""
 
-    def __init__(self, servers: Mapping[str, Any], tokenizer: Any, cfg: GenRMConfig) -> None:
-        from offbeat.balancer import LoadBalancer
+    def __init__(self, servers: Mapping[str, Any], tokenizer: Any, cfg: GenRMConfig, *,
+                 replacement: Any = None, health_timeout_s: float = 30.0) -> None:  # fmt: skip
+        from offbeat.balancer.aio import AsyncLoadBalancer
+        from offbeat.core.trainer.fixed_replicas import FixedReplicas
 
-        self.balancer = LoadBalancer(dict(servers))
-        self.handles = dict(servers)
+        self.balancer = AsyncLoadBalancer(dict(servers))
+        self.replicas = FixedReplicas(
+            servers, self.balancer, replacement=replacement,
+            health_timeout_s=health_timeout_s, kind="judge",
+        )  # fmt: skip
+        self.handles = self.replicas.servers  # the live ones, replacements included
         self.tokenizer, self.cfg = tokenizer, cfg
-        self.removed: list[str] = []
         self._ids = itertools.count()
+        self._checks: set[asyncio.Task] = set()
+        self.served: dict[str, int] = {}  # replica -> calls it answered
+
+    @property
+    def removed(self) -> list[str]:
+        return list(self.replicas.removed)
+
+    @property
+    def replaced(self) -> dict[str, str]:
+        return dict(self.replicas.replaced)
 
     async def __call__(self, url: str, payload: dict, timeout: float) -> dict:
         rid = f"judge-{next(self._ids)}"
         prompt_ids = self.tokenizer.encode(payload["prompt"], add_special_tokens=False)
         params = {"max_tokens": payload["max_tokens"], "temperature": 0.0}
-        lease = self.balancer.acquire(rid)
+        lease = await self.balancer.acquire(rid)
         sid = lease.server_id
         try:
             generate = self.handles[sid].generate
@@ -124,14 +168,28 @@ class BalancedJudgeTransport:
                 out = await generate.remote(rid, prompt_ids, params)
             else:
                 out = await generate(rid, prompt_ids, params)
-        except Exception:  # a dead replica; a slow one is cancelled (not an Exception)
-            if self.balancer.remove_servers([sid]):  # once, though many calls fail on it
-                self.removed.append(sid)
+        except asyncio.CancelledError:  # the judge's timeout: is the replica still there?
+            task = asyncio.ensure_future(self.replicas.failed(sid, TimeoutError(rid)))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+            raise
+        except Exception as e:  # a dead replica, or this call's own error: the probe says
+            await self.replicas.failed(sid, e)
             raise
         finally:
             self.balancer.release(lease)
+        self.served[sid] = self.served.get(sid, 0) + 1
         text = self.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
         return {"choices": [{"text": text}]}
+
+    async def settle(self) -> bool:
+        """Until a replica serves or none is being started; True when one serves."""
+        return await self.replicas.wait_available()
+
+    async def close(self) -> None:
+        for t in list(self._checks):
+            t.cancel()
+        await self.replicas.close()
 
 
 def judge_tokenizer(cfg: Any) -> Any:
@@ -146,9 +204,10 @@ def judge_tokenizer(cfg: Any) -> Any:
 
 
 def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any = None,
-                tokenizer: Any = None) -> Any:  # fmt: skip
+                tokenizer: Any = None, replacement: Any = None) -> Any:  # fmt: skip
     """The job's one hook, called on its event loop: build the `GenRMJudge` that
-    `reward.genrm` describes (over `servers` from `start_judges`, else the url), install it
+    `reward.genrm` describes (over `servers` from `start_judges`, dead ones replaced by
+    `replacement`, else the url), install it
     for the registry's `genrm` scorer and return it (`GenRMStepHook` calls
     `judge.new_step()` per step and logs `judge.metrics()`). None unless reward.name=genrm."""
     from offbeat.core.rewards import genrm
@@ -157,8 +216,8 @@ def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any
         return None
     gcfg = genrm.from_config(cfg.reward.genrm or {})
     if servers:
-        judge = genrm.GenRMJudge(gcfg, post=BalancedJudgeTransport(servers, tokenizer, gcfg),
-                                 tokenizer=tokenizer, urls=["balancer"])  # fmt: skip
+        transport = BalancedJudgeTransport(servers, tokenizer, gcfg, replacement=replacement)
+        judge = genrm.GenRMJudge(gcfg, post=transport, tokenizer=tokenizer, urls=["balancer"])
     else:
         judge = genrm.GenRMJudge(gcfg, post=post or genrm.aiohttp_post, tokenizer=tokenizer)
     genrm.install(judge)
@@ -182,26 +241,40 @@ class GenRMStepHook:
             self.totals[k] += int(m[f"genrm/{k}"])
             m[f"genrm/{k}_total"] = float(self.totals[k])
         m["genrm/replicas_removed"] = float(len(self.judge.removed_replicas))
+        m["genrm/replicas_replaced"] = float(len(self.judge.replaced_replicas))
         metrics.update(m)
         self.judge.new_step()
 
     async def close(self) -> None:
+        """Uninstall the judge; stop the replacements being started and shut down the
+        ones started (the job shuts down the judges it started). Idempotent."""
         from offbeat.core.rewards import genrm
+        from offbeat.core.trainer.elastic import shutdown_replicas
 
         genrm.install(None)
+        transport = self.judge._post
+        if isinstance(transport, BalancedJudgeTransport):
+            await transport.close()
+            started = dict(transport.replicas.started)
+            transport.replicas.started.clear()
+            await shutdown_replicas(started)
 
     def summary(self) -> dict[str, Any]:
-        return {**self.totals, "removed_replicas": self.judge.removed_replicas}
+        return {**self.totals, "removed_replicas": self.judge.removed_replicas,
+                "replaced_replicas": self.judge.replaced_replicas,
+                "served_by_replica": dict(getattr(self.judge._post, "served", {}))}  # fmt: skip
 
 
-async def start_judge(cfg: Any, judges: dict[str, Any]) -> Any:
+async def start_judge(cfg: Any, judges: dict[str, Any], pools: Any = None) -> Any:
     """For `reward.name=genrm`: the judge over `judges` (else `reward.genrm.url`), installed
-    for the `genrm` scorer, as the trainer step hook that logs its metrics; else None."""
+    for the `genrm` scorer, as the trainer step hook that logs its metrics; else None. A
+    dead judge replica is replaced in its bundle of `pools` (`judge_replacement`)."""
     if cfg.reward.name != "genrm":
         return None
     tokenizer = await asyncio.to_thread(judge_tokenizer, cfg)
     await asyncio.gather(*(j.refresh() for j in judges.values() if hasattr(j, "refresh")))
-    return GenRMStepHook(setup_judge(cfg, judges, tokenizer=tokenizer))
+    replacement = judge_replacement(cfg, pools) if judges else None
+    return GenRMStepHook(setup_judge(cfg, judges, tokenizer=tokenizer, replacement=replacement))
 
 
 def validation_agent(cfg: Any, agent: Any) -> Any:

@@ -1,5 +1,6 @@
 """What a job starts for elastic replicas: hybrid replicas in the trainer pool (phase 1 of
-a two-phase start), replacements for dead rollout replicas, and their shutdown.
+a two-phase start), replacements for dead replicas in a pool's bundles (rollout
+replicas, OPD teachers, GenRM judges), and their shutdown.
 
 Knows the job config, the pools and the rollout-engine registry (`rollout.engine`); not
 the training loop, nor what a replica does once started (`offbeat.core.trainer.hybrid`,
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica
 from offbeat.core.runtime.launch import replica_options
 
-__all__ = ["replacement_for", "shutdown_replicas", "start_hybrid_replicas"]
+__all__ = ["bundle_replacement", "replacement_for", "shutdown_replicas", "start_hybrid_replicas"]
 
 
 async def start_hybrid_replicas(p: Any, pools: Any) -> dict[str, Any]:
@@ -47,14 +49,29 @@ async def start_hybrid_replicas(p: Any, pools: Any) -> dict[str, Any]:
 
 
 def replacement_for(p: Any, pools: Any, servers: dict[str, Any]) -> Any:
-    """How the job replaces a dead replica: kill its actor (its bundle is freed), start a
-    new one of the same index in that bundle, and wait until it answers."""
+    """How the job replaces a dead rollout replica: `bundle_replacement` of rollout-<i>
+    in bundle i of the rollout pool."""
+    cfg = p.cfg
+    slots = {sid: i for i, sid in enumerate(servers)}  # start_replicas: rollout-<i> is i
+
+    def spec(index: int, new_id: str) -> ReplicaSpec:
+        options = replica_options(pools, index)
+        return ReplicaSpec(cfg, str(p.model_dir), index, server_id=new_id, ray_options=options)
+
+    return bundle_replacement(spec, slots, cfg.runtime)
+
+
+def bundle_replacement(
+    spec: Callable[[int, str], ReplicaSpec], slots: dict[str, int], rt: Any
+) -> Any:
+    """A `Replacement` for replicas in a pool's bundles (rollout replicas, OPD teachers,
+    GenRM judges): kill the dead one's actor (its bundle is freed), start `spec(index,
+    new_id)` (the dead one's `slots` index: its bundle) and wait until it answers
+    (`rt.replica_ready_timeout_s`); `rt.replica_replace_attempts` starts in a row,
+    `rt.replica_replace_backoff_s` apart, doubling."""
     import ray
 
     from offbeat.core.trainer.replicas import Replacement
-
-    cfg, rt = p.cfg, p.cfg.runtime
-    slots = {sid: i for i, sid in enumerate(servers)}  # start_replicas: rollout-<i> is i
 
     async def kill(server: Any) -> None:
         handle = getattr(server, "handle", None)
@@ -66,10 +83,7 @@ def replacement_for(p: Any, pools: Any, servers: dict[str, Any]) -> Any:
         index = slots[new_id] = slots[dead_id]
         if dead is not None:
             await kill(dead)
-        options = replica_options(pools, index)
-        server = start_replica(
-            ReplicaSpec(cfg, str(p.model_dir), index, server_id=new_id, ray_options=options)
-        )
+        server = start_replica(spec(index, new_id))
         try:
             await asyncio.wait_for(server.refresh(), rt.replica_ready_timeout_s)
         except BaseException:

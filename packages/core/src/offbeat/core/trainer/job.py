@@ -551,7 +551,7 @@ async def run_with_replicas(
         )
     )
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
-    judge_hook = await start_judge(cfg, judges or {})  # None unless reward.name=genrm
+    judge_hook = await start_judge(cfg, judges or {}, pools)  # None unless reward.name=genrm
     if version_offset is None:
         version_offset = max(int(s.weight_version) for s in servers.values())
     ready_s = time.perf_counter() - t0

@@ -445,15 +445,21 @@ def trainer_context(trainer: Any) -> list[str]:
 
 def trainer_actors(trainer: Any) -> dict[str, Any]:
     """name -> actor handle of each process of a `Trainer` that can give its stacks: the
-    trainer group's ranks (`trainer rank <i>`) and the replicas, hybrid ones included
-    (`replica <id>`; those with a handle that has the stacks method). Read from the
-    watchdog's thread: the dicts are copied, again if the loop changed one meanwhile."""
+    trainer group's ranks (`trainer rank <i>`), the ranks of the critic's and the
+    reference's worker groups of their own (`critic rank <i>`, `reference rank <i>`: the
+    group's `linked` ones, `critic.placement=separate`) and the replicas, hybrid ones
+    included (`replica <id>`; those with a handle that has the stacks method). Read from
+    the watchdog's thread: the dicts are copied, again if the loop changed one meanwhile."""
     for _ in range(3):
         try:
+            engine = trainer.engine
             out = {
-                f"trainer rank {i}": h
-                for i, h in enumerate(getattr(trainer.engine, "handles", None) or [])
+                f"trainer rank {i}": h for i, h in enumerate(getattr(engine, "handles", None) or [])
             }
+            for g in list(getattr(engine, "linked", None) or []):
+                role = "+".join(getattr(g, "roles", None) or ("linked",))
+                for i, h in enumerate(getattr(g, "handles", None) or []):
+                    out[f"{role} rank {i}"] = h
             pool, hybrid = trainer.pool, getattr(trainer, "hybrid", None)
             servers = {**pool.servers, **pool.guests, **(hybrid.servers if hybrid else {})}
             break
