@@ -388,7 +388,7 @@ class BroadcastBackend(Backend):
             )
             error = stale or error
             if error is not None:
-                status = str(error)
+                status = f"{type(error).__name__}: {error}"
                 raise error
             return spec.version
         except (PeerError, SyncTimeoutError) as e:
