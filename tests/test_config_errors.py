@@ -666,3 +666,28 @@ def test_user_code_limits_are_checked(override):
     problems = {p.key: p for p in info.value.problems}
     assert key in problems, str(info.value)
     assert float(problems[key].value) == float(value)
+
+
+def test_offbeat_check_names_each_bad_image_row(tmp_path):
+    """`offbeat check separate_async_vlm` on a file of image rows: a missing image file,
+    an undecodable image and an image count unlike the placeholders' are named by row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from offbeat.core.tasks.visual import make_visual_rows
+
+    rows = make_visual_rows(5, seed=3)
+    rows[1]["images"] = [{"bytes": None, "path": str(tmp_path / "gone.png")}]
+    rows[2]["images"] = [{"bytes": b"not an image", "path": None}]
+    rows[4]["images"] = rows[4]["images"] * 2  # two images, one placeholder
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(ConfigError) as info:
+        load_recipe_config("separate_async_vlm", [f"data.train_files=[{path}]"])
+    (problem,) = [p for p in info.value.problems if p.key == "data.train_files"]
+    said = problem.expected
+    assert "3 of the 5 rows read in train.parquet cannot" in said, said
+    assert "row 1:" in said and "does not exist" in said
+    assert "row 2:" in said and "undecodable image" in said
+    assert "row 4:" in said and "2 image(s)" in said and "1 placeholder(s)" in said
+    assert "row 0:" not in said and "row 3:" not in said

@@ -27,7 +27,7 @@ from offbeat.core.distill import (
     reverse_kl_by_teacher,
 )
 from offbeat.core.distill.agent_loop import DistillAgentLoop
-from offbeat.core.distill.config import _distillation_rules
+from offbeat.core.distill.config import TeacherSFTConfig, _distillation_rules
 from offbeat.core.distill.job import OPDConfig
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer.agent_loop import GroupFailed
@@ -335,6 +335,51 @@ def test_a_teacher_with_another_vocabulary_is_rejected(tmp_path):
     )
     cfg.distillation.teachers["char_match"] = TeacherConfig(model="offbeat-tiny:tiny")
     assert "vocabulary of model.path" in problems(cfg)["distillation.teachers.char_match.model"]
+
+
+def test_a_visual_task_routes_to_a_vision_language_teacher_of_its_own():
+    """The GSM8K/Geo3K pair: a tiny-VLM student, the text task and the visual task mixed,
+    a teacher for each data_source (both the tiny VLM). A text-only tiny teacher has
+    another vocabulary; a task that is not a synthetic one is named."""
+    vl = TeacherConfig(model="offbeat-tiny-vl")
+    cfg = opd_config(math=vl, shapes=vl)
+    cfg.model.path = "offbeat-tiny-vl"
+    cfg.distillation.tasks = [SyntheticTaskConfig(name="add"), SyntheticTaskConfig(name="shapes")]
+    assert problems(cfg) == {}
+    cfg.distillation.teachers["shapes"] = TeacherConfig(
+        model="offbeat-tiny-vl", sft=TeacherSFTConfig(task="shapes", steps=10)
+    )
+    assert problems(cfg) == {}
+    del cfg.distillation.teachers["shapes"]
+    assert "no teacher for ['shapes']" in problems(cfg)["distillation.teachers"]
+    cfg.distillation.teachers["shapes"] = TeacherConfig(model="offbeat-tiny:tiny")
+    assert "vocabulary of model.path" in problems(cfg)["distillation.teachers.shapes.model"]
+    cfg.distillation.teachers["shapes"] = vl
+    cfg.distillation.tasks[1] = SyntheticTaskConfig(name="geometry")
+    found = problems(cfg)
+    assert "must be one of reverse, copy, add, mul, shapes" in found["distillation.tasks[1].name"]
+
+
+def test_mixed_text_and_image_rows_share_one_parquet_schema(tmp_path):
+    from offbeat.core.distill.build import write_mixed_task_files
+    from offbeat.core.tasks import read_parquet
+    from offbeat.core.tasks.bad_rows import row_problem
+    from offbeat.core.tasks.images import row_images
+
+    tasks = [
+        SyntheticTaskConfig(name="add", min_len=1, max_len=1, n_train=6, n_val=2),
+        SyntheticTaskConfig(name="mul", min_len=1, max_len=2, n_train=6, n_val=2),
+        SyntheticTaskConfig(name="shapes", n_train=6, n_val=2),
+    ]
+    train, val = write_mixed_task_files(tasks, tmp_path)
+    rows = read_parquet(train[0])
+    assert len(rows) == 18 and len(read_parquet(val[0])) == 6
+    by_source: dict[str, list[int]] = {}
+    for r in rows:
+        assert row_problem(r, "prompt") is None
+        by_source.setdefault(r["data_source"], []).append(len(row_images(r)))
+    assert sorted(by_source) == ["math", "shapes"]
+    assert set(by_source["shapes"]) == {1} and set(by_source["math"]) == {0}
 
 
 # ---- teacher pools ----------------------------------------------------------------------

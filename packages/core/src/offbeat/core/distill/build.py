@@ -1,5 +1,7 @@
 """What an OPD job builds before anything starts: the mixed dataset of several synthetic
-tasks, and tiny teachers trained (supervised, cached) on their own task.
+tasks, and tiny teachers trained (supervised, cached) on their own task. The visual task
+(`shapes`, rows with images) mixes in beside the text tasks, as verl's GSM8K/Geo3K pair
+does: its rows carry verl's `images` column, the text rows an empty one.
 
 Knows nothing about engines or RL: parquet files and HF model directories in, the same
 out. Both are cached under a hash of what determines them, so a second run reuses them.
@@ -13,8 +15,17 @@ from typing import Any
 
 from offbeat.core.distill.config import TeacherConfig
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig, make_rows, write_parquet
+from offbeat.core.tasks.visual import VISUAL_TASK, make_visual_rows, mixable_visual_rows
 
-__all__ = ["build_teacher", "build_teachers", "write_mixed_task_files"]
+__all__ = ["build_teacher", "build_teachers", "task_rows", "write_mixed_task_files"]
+
+
+def task_rows(name: str, n: int, *, seed: int, min_len: int, max_len: int) -> list[dict[str, Any]]:
+    """`n` rows of synthetic task `name`: a text task (`make_rows`) or the visual one
+    (`VISUAL_TASK`, in the layout that mixes with text rows)."""
+    if name == VISUAL_TASK:
+        return mixable_visual_rows(n, seed=seed)
+    return make_rows(name, n, seed=seed, min_len=min_len, max_len=max_len)
 
 
 def _rows(tasks: list[SyntheticTaskConfig], *, val: bool) -> list[dict[str, Any]]:
@@ -22,10 +33,13 @@ def _rows(tasks: list[SyntheticTaskConfig], *, val: bool) -> list[dict[str, Any]
     for t in tasks:
         n = t.n_val if val else t.n_train
         seed = t.seed + 1_000_003 if val else t.seed
-        rows += make_rows(t.name, n, seed=seed, min_len=t.min_len, max_len=t.max_len)
+        rows += task_rows(t.name, n, seed=seed, min_len=t.min_len, max_len=t.max_len)
     random.Random(0).shuffle(rows)
+    with_images = any("images" in r for r in rows)
     for i, row in enumerate(rows):
         row["index"] = i
+        if with_images:
+            row.setdefault("images", [])  # one schema for the file: text rows hold none
     return rows
 
 
@@ -46,8 +60,9 @@ def write_mixed_task_files(
 
 
 def build_teacher(t: TeacherConfig, cache_dir: str | Path, *, prompt_key: str = "prompt") -> Path:
-    """The teacher's model directory: `t.model` resolved (a tiny model is built), then,
-    when `t.sft.steps > 0`, fine-tuned on its synthetic task (cached)."""
+    """The teacher's model directory: `t.model` resolved (a tiny model or the tiny VLM is
+    built), then, when `t.sft.steps > 0`, fine-tuned on its synthetic task (cached; the
+    visual task's rows go through the model's processor)."""
     from offbeat.core.models.resolve import resolve_model
     from offbeat.core.trainer.warm_start import WarmStartConfig, warm_start
 
@@ -56,7 +71,10 @@ def build_teacher(t: TeacherConfig, cache_dir: str | Path, *, prompt_key: str = 
     s = t.sft
     if s.steps <= 0 or not s.task:
         return model_dir
-    rows = make_rows(s.task, s.n_train, seed=s.seed + 7, min_len=s.min_len, max_len=s.max_len)
+    if s.task == VISUAL_TASK:
+        rows = make_visual_rows(s.n_train, seed=s.seed + 7)
+    else:
+        rows = make_rows(s.task, s.n_train, seed=s.seed + 7, min_len=s.min_len, max_len=s.max_len)
     ws = WarmStartConfig(enabled=True, steps=s.steps, batch_size=s.batch_size, lr=s.lr, seed=s.seed)
     return warm_start(model_dir, rows, ws, cache_dir=cache_dir / "teachers", prompt_key=prompt_key)
 

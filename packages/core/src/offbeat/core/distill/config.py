@@ -26,7 +26,7 @@ class TeacherSFTConfig:
     """Build the teacher locally: supervised fine-tuning of `model` on a synthetic task
     (`steps=0`: use `model` as it is). Cached like the warm start."""
 
-    task: str = ""  # a synthetic task name (offbeat.core.tasks.synthetic.TASKS)
+    task: str = ""  # a synthetic task (offbeat.core.tasks.synthetic.TASKS, or "shapes")
     min_len: int = 1
     max_len: int = 1
     n_train: int = 4000
@@ -38,8 +38,9 @@ class TeacherSFTConfig:
 
 @dataclass
 class TeacherConfig:
-    """One teacher: `model` (an HF directory or `offbeat-tiny:<size>`), `replicas` engine
-    replicas of `tensor_parallel_size` devices each, behind a balancer of their own."""
+    """One teacher: `model` (an HF directory, `offbeat-tiny:<size>` or the tiny VLM
+    `offbeat-tiny-vl`), `replicas` engine replicas of `tensor_parallel_size` devices each,
+    behind a balancer of their own."""
 
     model: str = ""
     replicas: int = 1
@@ -86,9 +87,13 @@ def route_keys(cfg: Any) -> set[str] | None:
     if not cfg.data.train_files:
         if d.teacher_key != "data_source" or not d.tasks:
             return None
-        from offbeat.core.tasks.synthetic import make_rows
+        from offbeat.core.distill.build import task_rows
 
-        return {make_rows(t.name, 1, min_len=1, max_len=1)[0]["data_source"] for t in d.tasks}
+        if any(t.name not in mixable_tasks() for t in d.tasks):
+            return None  # named by the tasks rule
+        return {
+            task_rows(t.name, 1, seed=0, min_len=1, max_len=1)[0]["data_source"] for t in d.tasks
+        }
     import pyarrow.parquet as pq
 
     keys: set[str] = set()
@@ -114,9 +119,25 @@ def _vocab(path: str) -> tuple[Any, Any] | None:
     return size, tok
 
 
+def mixable_tasks() -> tuple[str, ...]:
+    """The synthetic tasks an OPD job mixes and builds teachers on: the text tasks and
+    the visual one."""
+    from offbeat.core.tasks.synthetic import TASKS
+    from offbeat.core.tasks.visual import VISUAL_TASK
+
+    return (*TASKS, VISUAL_TASK)
+
+
 def _tiny_or_dir(path: str) -> str:
-    # Every offbeat-tiny preset shares one character vocabulary.
+    # Every offbeat-tiny preset shares one character vocabulary; the tiny VLM's adds its
+    # vision tokens to it (a vocabulary of its own).
     return "offbeat-tiny" if path.startswith("offbeat-tiny:") else path
+
+
+def _built(path: str) -> bool:
+    from offbeat.core.models.tiny_vlm import TINY_VLM_PREFIX
+
+    return path.startswith("offbeat-tiny:") or path == TINY_VLM_PREFIX
 
 
 @check
@@ -134,15 +155,17 @@ def _distillation_rules(cfg: Any, p: Problems) -> None:
     for name, t in d.teachers.items():
         key = f"distillation.teachers.{name}"
         if not t.model:
-            p.add(f"{key}.model", t.model, "an HF model directory or offbeat-tiny:<size>")
-        elif not t.model.startswith("offbeat-tiny:") and not Path(t.model).is_dir():
+            p.add(
+                f"{key}.model",
+                t.model,
+                "an HF model directory, offbeat-tiny:<size> or offbeat-tiny-vl",
+            )
+        elif not _built(t.model) and not Path(t.model).is_dir():
             p.add(f"{key}.model", t.model, "an existing HF model directory")
         p.require_int(f"{key}.replicas", t.replicas)
         p.require_int(f"{key}.tensor_parallel_size", t.tensor_parallel_size)
         if t.sft.steps and t.sft.task:
-            from offbeat.core.tasks.synthetic import TASKS
-
-            p.require_choice(f"{key}.sft.task", t.sft.task, TASKS)
+            p.require_choice(f"{key}.sft.task", t.sft.task, mixable_tasks())
         student, teacher = _tiny_or_dir(cfg.model.path), _tiny_or_dir(t.model)
         if (student == "offbeat-tiny") != (teacher == "offbeat-tiny"):
             p.add(
@@ -172,6 +195,8 @@ def _distillation_rules(cfg: Any, p: Problems) -> None:
             )  # fmt: skip
     if d.kl_coef < 0 or d.reward_weight < 0:
         p.add("distillation.kl_coef/reward_weight", (d.kl_coef, d.reward_weight), "numbers >= 0")
+    for i, t in enumerate(d.tasks):
+        p.require_choice(f"distillation.tasks[{i}].name", t.name, mixable_tasks())
     keys = route_keys(cfg)
     if keys is not None and not d.default_teacher:
         orphan = sorted(keys - set(d.teachers))

@@ -28,6 +28,11 @@ def exact_match(response: str, ground_truth: Any, **_: Any) -> float:
     return float(_normalise(response) == _normalise(ground_truth))
 
 
+# The synthetic visual task's rows where tasks are mixed (offbeat.core.tasks.visual):
+# its own data_source, so an OPD job routes them to a teacher of their own.
+register_reward("shapes", exact_match)
+
+
 def extract_answer(response: str) -> str | None:
     """The final answer in a math response: `\\boxed{...}`, else after `####`, else the
     last number in the text."""

@@ -15,7 +15,15 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLOURS", "QUESTIONS", "make_visual_rows", "visual_image", "write_visual_task_files"]
+__all__ = [
+    "COLOURS",
+    "QUESTIONS",
+    "VISUAL_TASK",
+    "make_visual_rows",
+    "mixable_visual_rows",
+    "visual_image",
+    "write_visual_task_files",
+]
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -23,6 +31,10 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "blue": (30, 30, 220),
 }
 QUESTIONS = {"count": "How many squares?", "colour": "What colour?"}
+# The task's name where synthetic tasks are mixed (an OPD job's `distillation.tasks`), and
+# the data_source its rows carry there: a teacher of that name takes them (scored by
+# exact match, registered under this name in offbeat.core.rewards.scorers).
+VISUAL_TASK = "shapes"
 _GRID = 4
 
 
@@ -68,6 +80,25 @@ def make_visual_rows(
                 "extra_info": {"question": kind},
             }
         )
+    return rows
+
+
+def mixable_visual_rows(n: int, *, seed: int = 0, size: int = 112) -> list[dict[str, Any]]:
+    """`make_visual_rows` in the layout text rows share in one parquet file: the content a
+    string with verl's `<image>` marker (not a list of parts), `data_source`
+    `VISUAL_TASK`, and no `extra_info` (text rows have another one, or none). A text row
+    mixed in beside them gets `images: []`."""
+    from offbeat.core.tasks.images import IMAGE_PLACEHOLDER
+
+    rows = make_visual_rows(n, seed=seed, size=size)
+    for r in rows:
+        (msg,) = r["prompt"]
+        text = "".join(
+            IMAGE_PLACEHOLDER if p["type"] == "image" else p["text"] for p in msg["content"]
+        )
+        r["prompt"] = [{"role": msg["role"], "content": text}]
+        r["data_source"] = VISUAL_TASK
+        del r["extra_info"]
     return rows
 
 
