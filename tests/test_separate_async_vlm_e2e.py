@@ -51,14 +51,15 @@ def test_opd_routes_image_rows_to_a_visual_teacher_beside_a_text_teacher(tmp_pat
     widened image placeholders with the row's images)."""
     import dataclasses
 
-    from offbeat.core.cli import load_recipe_config
-    from offbeat.core.config import validate
+    from offbeat.core.cli import load_recipe
+    from offbeat.core.config import load_config, validate
     from offbeat.core.distill.config import TeacherConfig
     from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 
     ray_session.up()
-    module, cfg = load_recipe_config(
-        "opd",
+    module, recipe_dir = load_recipe("opd")
+    cfg = load_config(
+        recipe_dir / "config.yaml",
         [
             "model.path=offbeat-tiny-vl", "warm_start.enabled=false",
             "data.max_prompt_length=96", "data.train_batch_size=4", "data.val_batch_size=16",
@@ -67,6 +68,7 @@ def test_opd_routes_image_rows_to_a_visual_teacher_beside_a_text_teacher(tmp_pat
             "trainer.total_training_steps=2", "trainer.test_freq=2",
             f"trainer.log_dir={tmp_path}", "trainer.loggers=[jsonl]", "runtime.progress_bar=false",
         ],
+        schema=module.CONFIG,
     )  # fmt: skip
     tasks = [
         SyntheticTaskConfig(name="add", min_len=1, max_len=1, n_train=64, n_val=8),
