@@ -461,3 +461,29 @@ def test_teachers_build_side_by_side_from_a_cold_cache_into_the_same_cache(tmp_p
         assert (built[name] / "config.json").is_file()
         assert built[name].parent == tmp_path / "teachers"
         assert build_teacher(t, tmp_path) == built[name]
+
+
+@pytest.mark.slow
+def test_tiny_vlm_teachers_build_on_a_text_task_and_on_the_visual_task(tmp_path):
+    """A VLM student's teachers: the tiny VLM fine-tuned on a text task and on `shapes`
+    (its rows through the processor), each a loadable model directory of its own."""
+    from transformers import AutoModelForImageTextToText
+
+    from offbeat.core.distill.build import build_teachers
+
+    sft = dict(steps=2, batch_size=4, n_train=8)
+    out = build_teachers(
+        {
+            "math": TeacherConfig(
+                model="offbeat-tiny-vl", sft=TeacherSFTConfig(task="add", max_len=1, **sft)
+            ),
+            "shapes": TeacherConfig(
+                model="offbeat-tiny-vl", sft=TeacherSFTConfig(task="shapes", **sft)
+            ),
+        },
+        tmp_path,
+    )
+    assert out["math"] != out["shapes"]
+    for d in out.values():
+        assert (d / "preprocessor_config.json").is_file() or (d / "processor_config.json").is_file()
+        AutoModelForImageTextToText.from_pretrained(d)
