@@ -40,6 +40,9 @@ the load average (1 min, sampled every 5 s: min / median / max) over each run.
         [--job-kills 2] [--replica-kills 2] [--engine-kills 1] [--hybrid-kills 1]
         [--rank-kills 1] [--save-freq 5]
         [--recipe separate_async|opd|genrm] [--teacher-kills 0] [--judge-kills 0] [key=value ...]
+
+(--engine-kills and --rank-kills default to 0 with --recipe opd or genrm, as their recorded
+runs were made.)
 """
 
 from __future__ import annotations
@@ -380,9 +383,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--job-kills", type=int, default=2)
     ap.add_argument("--replica-kills", type=int, default=2)
-    ap.add_argument("--engine-kills", type=int, default=1, help="replica engine-core SIGKILLs")
+    # --engine-kills, --rank-kills: 1 each for separate_async, 0 for opd / genrm (as their
+    # recorded runs were made)
+    ap.add_argument("--engine-kills", type=int, default=None, help="replica engine SIGKILLs")
     ap.add_argument("--hybrid-kills", type=int, default=1)
-    ap.add_argument("--rank-kills", type=int, default=1, help="trainer rank SIGKILLs")
+    ap.add_argument("--rank-kills", type=int, default=None, help="trainer rank SIGKILLs")
     ap.add_argument("--save-freq", type=int, default=5)
     ap.add_argument("--test-freq", type=int, default=10)
     ap.add_argument("--skip-baseline", action="store_true")
@@ -392,6 +397,9 @@ def main() -> None:
     ap.add_argument("--teacher-kills", type=int, default=0, help="opd: teacher replica kills")
     ap.add_argument("--judge-kills", type=int, default=0, help="genrm: judge replica kills")
     args, extra = ap.parse_known_args()
+    for kind in ("engine_kills", "rank_kills"):
+        if getattr(args, kind) is None:
+            setattr(args, kind, 1 if args.recipe == "separate_async" else 0)
     wrong = (args.teacher_kills and args.recipe != "opd") or (
         args.judge_kills and args.recipe != "genrm"
     )
