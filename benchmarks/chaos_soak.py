@@ -10,9 +10,18 @@ Kills (each at a step drawn from `--seed`; each fires once over all attempts):
 - a rollout replica: its actor is killed (`ray.kill`: SIGKILL of the actor's process, its
   vLLM engine core dies with it) a seeded fraction of a second after a weight sync,
   mid-generation; the job replaces it;
+- a rollout replica's engine alone (`--engine-kills N`): SIGKILL of its vLLM engine-core
+  process (found among the replica actor's process tree), the Ray actor left alive, a
+  seeded fraction of a second after a weight sync; the replica's failed calls and its
+  health probe find the engine dead (vLLM's EngineDeadError) and the job removes and
+  replaces it;
 - a hybrid (validation) replica: killed while it answers a validation request leased to
   it (`trainer.validate_on_trainer_devices=true` in both runs); the validation goes on on
   the standalone replica, later validations without it.
+- a trainer rank (`--rank-kills N`; the trainer runs as a one-rank group beside the
+  hybrid replica): SIGKILL of the rank's process a seeded fraction of a second after a
+  weight sync; the run fails with TrainerRankFailed and restarts by itself in the same
+  process from the newest checkpoint (`trainer.max_restarts`, null: 2 with save_freq > 0).
 - an OPD teacher replica or a GenRM judge replica (`--recipe opd --teacher-kills N`,
   `--recipe genrm --judge-kills N`): its actor is killed a seeded fraction of a second
   after a weight sync, while the rollout's groups are being scored on it; the job
@@ -28,8 +37,12 @@ either), the wall time against the same job without kills from the same invocati
 the load average (1 min, sampled every 5 s: min / median / max) over each run.
 
     uv run --frozen --no-sync python benchmarks/chaos_soak.py [--steps 100] [--seed 0]
-        [--job-kills 2] [--replica-kills 2] [--hybrid-kills 1] [--save-freq 5]
+        [--job-kills 2] [--replica-kills 2] [--engine-kills 1] [--hybrid-kills 1]
+        [--rank-kills 1] [--save-freq 5]
         [--recipe separate_async|opd|genrm] [--teacher-kills 0] [--judge-kills 0] [key=value ...]
+
+(--engine-kills and --rank-kills default to 0 with --recipe opd or genrm, as their recorded
+runs were made.)
 """
 
 from __future__ import annotations
@@ -71,6 +84,12 @@ def plan(args) -> dict:
             (s, rng.uniform(0.05, 1.0), rng.randrange(64))
             for s in rng.sample(range(1, steps), args.teacher_kills + args.judge_kills)
         ),
+        "engine": sorted(
+            (s, rng.uniform(0.05, 1.0)) for s in rng.sample(range(1, steps), args.engine_kills)
+        ),
+        "rank": sorted(
+            (s, rng.uniform(0.05, 1.0)) for s in rng.sample(range(2, steps), args.rank_kills)
+        ),
     }  # fmt: skip
 
 
@@ -93,6 +112,7 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
 
     from offbeat.core.cli import main as cli_main
     from offbeat.core.distill import job as opd_module
+    from offbeat.core.runtime.group import TrainerGroup
     from offbeat.core.trainer import job as job_module
     from offbeat.core.trainer.fixed_replicas import FixedReplicas
     from offbeat.core.trainer.replicas import ReplicaPool
@@ -107,6 +127,19 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
     fixed_at = {
         s: (d, w) for s, d, w in p["fixed"] if not any(e.get("fixed_step") == s for e in done)
     }
+    engine_at = {
+        s: d for s, d in p.get("engine", []) if not any(e.get("engine_step") == s for e in done)
+    }
+    rank_at = {s: d for s, d in p.get("rank", []) if not any(e.get("rank_step") == s for e in done)}
+    groups: list = []  # every trainer group started, the newest last
+    tasks: list = []  # the engine kills under way (a reference keeps each alive)
+    real_start = TrainerGroup.start.__func__
+
+    async def start_group(cls, *a, **kw):
+        group = await real_start(cls, *a, **kw)
+        groups.append(group)
+        return group
+
     real_sync, real_with, real_job, real_opd, real_fixed = (
         ReplicaPool.sync, job_module.run_with_replicas, job_module.run_job, opd_module.run_opd,
         FixedReplicas.__init__,
@@ -149,6 +182,36 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
                        f"{delay:.2f} s after the sync of v{version}")  # fmt: skip
 
             asyncio.get_running_loop().call_later(delay, kill)
+        if version in engine_at and self.servers:
+            delay = engine_at.pop(version)
+            victim = sorted(self.servers)[0]
+            handle = self.servers[victim].handle
+
+            async def kill_engine() -> None:
+                await asyncio.sleep(delay)
+                tree = await handle.process_cpus.remote()
+                pids = [pid for pid, (name, _) in tree.items() if "EngineCore" in name]
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                _event(events, engine_step=version, what=f"replica {victim}'s engine core "
+                       f"(pids {pids}) SIGKILLed {delay:.2f} s after the sync of v{version}, "
+                       "its actor alive")  # fmt: skip
+
+            tasks.append(asyncio.ensure_future(kill_engine()))
+        if version in rank_at and groups and groups[-1].pids:
+            delay = rank_at.pop(version)
+            group = groups[-1]
+
+            def kill_rank() -> None:
+                try:
+                    os.kill(group.pids[0], signal.SIGKILL)
+                except ProcessLookupError:  # the group ended meanwhile: a later attempt's
+                    rank_at[version] = delay
+                    return
+                _event(events, rank_step=version, what=f"trainer rank 0 (pid {group.pids[0]}) "
+                       f"SIGKILLed {delay:.2f} s after the sync of v{version}")  # fmt: skip
+
+            asyncio.get_running_loop().call_later(delay, kill_rank)
         for step in sorted(x for x in fixed_at if x <= version):  # opd syncs every 2 steps
             kill_fixed(step, version)
         return result
@@ -207,6 +270,7 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
         return summary
 
     ReplicaPool.sync = sync
+    TrainerGroup.start = classmethod(start_group)
     FixedReplicas.__init__ = fixed_init
     job_module.run_with_replicas = run_with_replicas
     job_module.run_job = run_job  # the recipe's main imports it after this (genrm calls it)
@@ -263,6 +327,7 @@ def run_until_done(
     metrics = root / name / "metrics.jsonl"
     job_at = list(p["job"])
     t0, restarts, load = time.perf_counter(), 0, Load()
+    auto = 0  # in-process restarts after a dead trainer rank (trainer.max_restarts)
     while True:
         argv = ["run", recipe, *overrides, f"trainer.resume={'true' if restarts else 'false'}"]
         attempt_log = exp / f"attempt-{restarts}.log"
@@ -284,8 +349,10 @@ def run_until_done(
                        what=f"job process SIGKILLed {delay:.2f} s after step {step} was logged")  # fmt: skip
         proc.wait()
         said = [x.strip() for x in attempt_log.read_text().splitlines()
-                if "resumed from" in x or "removed" in x or "replacement" in x]  # fmt: skip
+                if "resumed from" in x or "removed" in x or "replacement" in x
+                or "(trainer.max_restarts)" in x]  # fmt: skip
         log.extend(f"  [{name} attempt {restarts}] said: {x[:200]}" for x in said)
+        auto += sum("(trainer.max_restarts)" in x for x in said)
         if killed_at is None:
             if proc.returncode != 0:
                 raise SystemExit(f"{name}: attempt {restarts} failed (rc {proc.returncode}); "
@@ -304,7 +371,8 @@ def run_until_done(
     wall = time.perf_counter() - t0
     for e in _fired(events):
         log.append(f"  [{name}] {e['what']}")
-    return json.loads(out_path.read_text()), restarts, wall, load.stop(), _fired(events)
+    result = {**json.loads(out_path.read_text()), "auto_restarts": auto}
+    return result, restarts, wall, load.stop(), _fired(events)
 
 
 def main() -> None:
@@ -315,7 +383,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--job-kills", type=int, default=2)
     ap.add_argument("--replica-kills", type=int, default=2)
+    # --engine-kills, --rank-kills: 1 each for separate_async, 0 for opd / genrm (as their
+    # recorded runs were made)
+    ap.add_argument("--engine-kills", type=int, default=None, help="replica engine SIGKILLs")
     ap.add_argument("--hybrid-kills", type=int, default=1)
+    ap.add_argument("--rank-kills", type=int, default=None, help="trainer rank SIGKILLs")
     ap.add_argument("--save-freq", type=int, default=5)
     ap.add_argument("--test-freq", type=int, default=10)
     ap.add_argument("--skip-baseline", action="store_true")
@@ -325,6 +397,9 @@ def main() -> None:
     ap.add_argument("--teacher-kills", type=int, default=0, help="opd: teacher replica kills")
     ap.add_argument("--judge-kills", type=int, default=0, help="genrm: judge replica kills")
     args, extra = ap.parse_known_args()
+    for kind in ("engine_kills", "rank_kills"):
+        if getattr(args, kind) is None:
+            setattr(args, kind, 1 if args.recipe == "separate_async" else 0)
     wrong = (args.teacher_kills and args.recipe != "opd") or (
         args.judge_kills and args.recipe != "genrm"
     )
@@ -344,7 +419,7 @@ def main() -> None:
 
     print(f"load average at the start: {os.getloadavg()} on {os.cpu_count()} CPUs", flush=True)
     log: list[str] = []
-    none = {"job": [], "replica": [], "hybrid": [], "fixed": []}
+    none = {"job": [], "replica": [], "hybrid": [], "fixed": [], "engine": [], "rank": []}
     base = None
     print(f"recipe {args.recipe}", flush=True)
     if not args.skip_baseline:
@@ -360,19 +435,21 @@ def main() -> None:
         reasons = q["failed_by_reason"] or ""
         return (
             f"| {what} | {res['steps']} | {kills.get('job', 0)} | {kills.get('replica', 0)} | "
-            f"{kills.get('hybrid', 0)} | {kills.get('fixed', 0)} | {restarts} | {q['drawn']} | "
+            f"{kills.get('engine', 0)} | {kills.get('hybrid', 0)} | {kills.get('fixed', 0)} | "
+            f"{kills.get('rank', 0)} | {restarts} | {res['auto_restarts']} | {q['drawn']} | "
             f"{q['trained']} | "
             f"{q['evicted']} | {q['failed']} {reasons} | {q['in_flight']} | {res['lost']} | "
             f"{res['duplicated']} | {wall:.0f} | {load} |"
         )
 
     fired = chaos[4]
-    kinds = ("job", "replica", "hybrid", "fixed")
+    kinds = ("job", "replica", "engine", "hybrid", "fixed", "rank")
     kills = {k: sum(f"{k}_step" in e for e in fired) for k in kinds}
     print(
-        "\n| run | steps | job SIGKILLs | replica kills | hybrid kills | teacher / judge kills "
-        "| restarts | prompts drawn | trained | evicted | failed | in flight | lost | "
-        "duplicated | wall s | load min / median / max |\n|" + "---|" * 16
+        "\n| run | steps | job SIGKILLs | replica kills | engine kills | hybrid kills | "
+        "teacher / judge kills | rank kills | job restarts | automatic restarts | prompts "
+        "drawn | trained | evicted | failed | in flight | lost | duplicated | wall s | load "
+        "min / median / max |\n|" + "---|" * 19
     )
     if base is not None:
         print(row("baseline (no kills)", base, {}))

@@ -5,7 +5,7 @@ First, the default job itself, cut short, on its own replica: its validation
 reward must rise. Then two replicas are started once for the module (engine start is the
 slow part) and shared by the scenarios, in order: a drop-mode run killed after step 2 and
 resumed, a wait-mode run with threshold 1, decoupled PPO, a run on verl's dataset format,
-and finally a short chaos soak: a run that loses one replica mid-way, then its trainer,
+and finally a short chaos soak: a run that loses one replica's engine mid-way, then its trainer,
 and resumes on the survivor. Weight versions keep counting up across
 scenarios (each run starts from the version the replicas hold).
 """
@@ -628,7 +628,9 @@ def ledger_lost_and_duplicated(prompts: dict, ledger) -> tuple[int, int]:
 
 def test_short_soak_a_replica_killed_then_the_trainer_killed_and_resumed(world, monkeypatch):
     """The chaos soak in short (benchmarks/chaos_soak.py is the long one): one of the two
-    replicas is killed mid-run after step 1 (its requests retried on the other), then the
+    replicas loses its engine mid-run after step 1 (SIGKILL of vLLM's engine-core process
+    alone, its Ray actor alive: the failed requests' health check finds the engine dead,
+    the replica is removed and its requests retried on the other), then the
     trainer dies after step 3's update, before its sync (step 3's work is lost), and the
     run resumes from step 2's checkpoint on the survivor and ends step 3. Across both, by
     the prompt ledger: no prompt lost, none duplicated, none failed, each position drawn
@@ -642,7 +644,8 @@ def test_short_soak_a_replica_killed_then_the_trainer_killed_and_resumed(world, 
     args = ("trainer.total_training_steps=3", "trainer.save_freq=2",
             "runtime.replica_replace_attempts=0")  # fmt: skip  # replacements: test_elastic_*
     cfg = config(tmp, "soak", *args)
-    victim = servers["rollout-1"]
+    tree = ray.get(servers["rollout-1"].handle.process_cpus.remote())
+    (engine,) = [pid for pid, (name, _) in tree.items() if "EngineCore" in name]
     pools: list[ReplicaPool] = []  # the first run's
     real_sync = ReplicaPool.sync
 
@@ -661,13 +664,14 @@ def test_short_soak_a_replica_killed_then_the_trainer_killed_and_resumed(world, 
         while not (metrics.exists() and metrics.read_text().strip()):  # after step 1
             await asyncio.sleep(0.05)
             assert not task.done(), task.result()
-        ray.kill(victim.handle)
+        os.kill(engine, signal.SIGKILL)
         return await asyncio.wait_for(task, 300)
 
     with pytest.raises(Killed):
         asyncio.run(first())
     pool = pools[-1]
     assert "rollout-1" in pool.removed and pool.server_ids == ["rollout-0"]
+    assert "EngineDeadError" in pool.removed["rollout-1"], pool.removed
     killed_draws = len(drawn)
     ckpts = CheckpointManager(cfg.trainer.checkpoint_dir)
     assert [step for step, _ in ckpts.complete()] == [2]

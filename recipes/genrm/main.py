@@ -17,6 +17,7 @@ import asyncio
 from typing import Any
 
 from offbeat.core.rewards.genrm_job import GenRMRunConfig, run_genrm
+from offbeat.core.trainer.restart import run_with_restarts
 
 CONFIG = GenRMRunConfig  # the schema config.yaml and the overrides are loaded into
 
@@ -39,7 +40,7 @@ def report(s: dict[str, Any]) -> None:
 
 
 def main(cfg: GenRMRunConfig) -> int:
-    report(asyncio.run(run_genrm(cfg)))
+    report(asyncio.run(run_with_restarts(run_genrm, cfg)))
     return 0
 
 

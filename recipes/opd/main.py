@@ -18,6 +18,7 @@ from typing import Any
 
 from offbeat.core.distill.job import OPDConfig, run_opd
 from offbeat.core.distill.report import task_table
+from offbeat.core.trainer.restart import run_with_restarts
 
 CONFIG = OPDConfig  # the schema config.yaml and the overrides are loaded into
 
@@ -34,7 +35,7 @@ def report(s: dict[str, Any]) -> None:
 
 
 def main(cfg: OPDConfig) -> int:
-    report(asyncio.run(run_opd(cfg)))
+    report(asyncio.run(run_with_restarts(run_opd, cfg)))
     return 0
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from offbeat.core.trainer.job import RunConfig, resolve_data, resolve_model, run_job
+from offbeat.core.trainer.restart import run_with_restarts
 from offbeat.core.trainer.warm_start import WarmStartConfig
 
 
@@ -89,7 +90,7 @@ def report(summary: dict[str, Any]) -> None:
 def main(cfg: ToolsRunConfig) -> int:
     if cfg.tool_warm_start.steps > 0:
         cfg = warm_start_on_tool_traces(cfg)
-    summary = asyncio.run(run_job(cfg))
+    summary = asyncio.run(run_with_restarts(run_job, cfg))
     report(summary)
     return 0
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from offbeat.core.trainer.job import RunConfig, run_job
 from offbeat.core.trainer.report import print_report
+from offbeat.core.trainer.restart import run_with_restarts
 
 CONFIG = RunConfig  # the schema config.yaml and the overrides are loaded into
 
@@ -30,7 +31,7 @@ def report(summary: dict[str, Any]) -> None:
 
 
 def main(cfg: RunConfig) -> int:
-    summary = asyncio.run(run_job(cfg))
+    summary = asyncio.run(run_with_restarts(run_job, cfg))
     report(summary)
     return 0
 

@@ -1,6 +1,6 @@
 """A trainer rank that dies mid-run stops the run with an error naming the rank and the
-global step (not a hang), and a run resumed from the last checkpoint continues with the
-same accounting. Two gloo FSDP2 ranks on a local Ray drive the real training loop with
+global step (not a hang), and the run restarts by itself from the last checkpoint
+(`run_with_restarts`) and continues with the same accounting. Two gloo FSDP2 ranks on a local Ray drive the real training loop with
 the fakes of `trainer_fakes` (rollout servers that receive the weights rank 0 sends over
 shm)."""
 
@@ -21,6 +21,8 @@ from offbeat.core.models import build_tiny_model
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerRankFailed
 from offbeat.core.runtime.group import split_by_tokens
 from offbeat.core.stacks import DIAGNOSTICS_GROUPS, actor_stacks, diagnostics_method, process_stacks
+from offbeat.core.trainer.job import RunConfig
+from offbeat.core.trainer.restart import run_with_restarts
 from offbeat.core.trainer.watchdog import StallError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -87,36 +89,39 @@ def harness(tmp: Path, group: TrainerGroup, **settings) -> Harness:
     return h
 
 
-def test_a_dead_rank_stops_the_run_naming_it_and_the_step_then_resume_continues(
+def test_a_dead_rank_stops_the_run_naming_it_and_the_step_then_it_restarts_and_resumes(
     ray_local, model_dir, tmp_path
 ):
-    async def first_run():
-        group = await start_group(DiesAtStep, model_dir)
-        h = harness(tmp_path, group, total_training_steps=4)
-        try:
-            with pytest.raises(TrainerRankFailed) as e:
-                await h.run()
-        finally:
-            group.shutdown()
-        return h, e.value
+    """Rank 1 is SIGKILLed in step 3's update: the run fails naming the rank and the step,
+    and `run_with_restarts` (what the recipes' mains call) runs it again with
+    trainer.resume=true on a fresh group, from step 2's checkpoint, to the end: the same
+    data order, no prompt lost or duplicated by the ledger, the weights rank 0 holds on
+    the replica."""
+    attempts: list[tuple[Harness, list[int]]] = []  # each attempt, its checkpoints after
 
-    h1, err = asyncio.run(first_run())
-    assert (err.rank, err.step) == (1, 3)
-    assert "trainer rank 1 failed in update during global step 3" in str(err)
-    assert [s for s, _ in h1.checkpoints.complete()] == [1, 2]  # nothing written for step 3
-
-    async def resumed_run():
-        group = await start_group(TrainerGroup, model_dir)
-        h = harness(tmp_path, group, total_training_steps=4, resume=True)
+    async def attempt(cfg):
+        group = await start_group(TrainerGroup if attempts else DiesAtStep, model_dir)
+        h = harness(tmp_path, group, total_training_steps=4, resume=cfg.trainer.resume)
+        ckpts: list[int] = []
+        attempts.append((h, ckpts))
         try:
             summary = await h.run()
-            sent = on_every_rank(group, weights)[0]
+            summary["sent"] = on_every_rank(group, weights)[0]
+            return summary
         finally:
+            ckpts += [s for s, _ in h.checkpoints.complete()]
             await h.pool.manager.aclose()
             group.shutdown()
-        return h, summary, sent
 
-    h2, summary, sent = asyncio.run(resumed_run())
+    cfg = RunConfig()
+    cfg.trainer.save_freq = 1  # the harness's; trainer.max_restarts null: 2
+    summary = asyncio.run(run_with_restarts(attempt, cfg))
+    (h1, ckpts1), (h2, _) = attempts
+    assert summary["restarts"] == 1
+    assert summary["restart_causes"][0].startswith(
+        "trainer rank 1 failed in update during global step 3: ActorDiedError"
+    )
+    assert ckpts1 == [1, 2]  # nothing written for step 3
     assert summary["steps"] == 4 and summary["version"] == 4
     # the replicas were brought to the restored version 2, then synced at steps 3 and 4
     assert [r.version for r in h2.trainer.sync_results] == [3, 4]
@@ -124,9 +129,14 @@ def test_a_dead_rank_stops_the_run_naming_it_and_the_step_then_resume_continues(
     assert h2.trainer.trained_uids[: 2 * per_step] == h1.trainer.trained_uids[: 2 * per_step]
     assert len(h2.trainer.trained_uids) == 4 * per_step
     check_accounting(h2)
+    prompts, ledger = summary["prompts"], h2.buffer.core.prompts
+    positions = [r.position for r in ledger.records()]
+    assert len(positions) == len(set(positions))  # none duplicated
+    assert set(positions) == set(range(prompts["first_position"], prompts["next_position"]))
+    assert prompts["resumes"] == 1
     server = h2.servers["s0"]
     assert server.weight_version == 4
-    for name, w in sent.items():
+    for name, w in summary["sent"].items():
         assert torch.equal(server.weights[name], w), name
 
 

@@ -139,3 +139,35 @@ async def test_a_group_through_the_actor_survives_an_abort_under_the_client(repl
     assert any(o.extra["num_attempts"] == 2 for o in samples)  # the abort landed mid-group
     last = (await server.status())["last_abort"]
     assert last["inflight"] == len(groups)  # one call per group in flight, not one per sample
+
+
+@pytest.mark.asyncio
+async def test_a_killed_engine_core_fails_its_calls_and_the_health_probe(replica, prompt_ids):
+    """Last in the module (it ends the replica's engine): vLLM's engine-core process alone
+    gets SIGKILL, the actor lives on. The calls in flight and new calls raise, and the
+    health probe (`refresh`: what `ReplicaPool.check_health` asks) raises vLLM's
+    EngineDeadError, so the pool removes the replica and replaces it."""
+    import signal
+
+    handle, _ = replica
+    server = RemoteRolloutServer(handle)
+    await server.refresh()
+    tree = await handle.process_cpus.remote()
+    (engine,) = [pid for pid, (name, _) in tree.items() if "EngineCore" in name]
+    params = {"max_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+    calls = [
+        asyncio.create_task(server.generate(f"k-{i}", prompt_ids[i % len(prompt_ids)], params))
+        for i in range(4)
+    ]
+    for _ in range(2000):
+        if (await server.status())["inflight"] == len(calls):
+            break
+        await asyncio.sleep(0.01)
+    os.kill(engine, signal.SIGKILL)
+    outs = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
+    assert all(isinstance(o, Exception) for o in outs), outs
+    with pytest.raises(Exception, match="EngineDeadError"):
+        await asyncio.wait_for(server.refresh(), 30)
+    with pytest.raises(Exception, match="EngineCore encountered an issue"):  # vLLM's words
+        await asyncio.wait_for(server.generate("after", prompt_ids[0], {"max_tokens": 2}), 30)
+    assert (await server.status())["server_id"]  # the actor itself still answers

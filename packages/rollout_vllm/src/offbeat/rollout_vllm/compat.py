@@ -96,7 +96,7 @@ class VLLMApi:
         methods = [
             "from_engine_args", "add_request", "abort", "pause_generation",
             "resume_generation", "sleep", "wake_up", "collective_rpc", "reset_prefix_cache",
-            "shutdown",
+            "shutdown", "check_health",
         ]  # fmt: skip
         if self.release_kv:
             methods.append("release_kv_cache_memory")

@@ -164,6 +164,14 @@ class VLLMRolloutServer:
         """`weight_version` as a method (Ray actors expose methods, not properties)."""
         return self._weight_version
 
+    async def refresh(self) -> int:
+        """Health probe (what `ReplicaPool.check_health` asks through the actor): raises
+        vLLM's `EngineDeadError` once the engine-core process is gone (killed, crashed)
+        while this process lives on, so the pool removes and replaces the replica; else
+        returns the weight version."""
+        await self.engine.check_health()
+        return self._weight_version
+
     @property
     def max_model_len(self) -> int:
         return self._max_model_len

@@ -269,6 +269,14 @@ class TrainerConfig:
     checkpoint_dir: str = "checkpoints"
     save_freq: int = 0  # global steps between checkpoints; 0: only at the end, -1: never
     resume: bool = False
+    # Automatic restarts of a run that a dead trainer rank stopped (its process killed or
+    # crashed; nothing else restarts: not a rank's own exception, not a config or reward
+    # error): each resumes from the newest checkpoint, in the same process. null (auto): 2
+    # when checkpoints are written mid-run (save_freq > 0), else 0. Two: a lone death (an
+    # OOM kill, a lost worker) is survived twice over, while a rank that dies at the same
+    # step every time stops after redoing at most 2 x save_freq steps. A set count > 0
+    # needs save_freq > 0 (checked): without a checkpoint a restart would redo the run.
+    max_restarts: int | None = None
     test_freq: int = 0  # global steps between validations; 0: never
     val_before_train: bool = False
     project_name: str = "offbeat"  # names the run (with experiment_name) in the logs

@@ -340,6 +340,30 @@ def _model_and_trainer(cfg: Any, p: Problems) -> None:
 
 
 @check
+def _max_restarts(cfg: Any, p: Problems) -> None:
+    t = cfg.trainer
+    n = getattr(t, "max_restarts", None)
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        p.add(
+            "trainer.max_restarts",
+            n,
+            "must be an int >= 0 (restarts after a dead trainer rank; 0: none) or null "
+            "(auto: 2 when trainer.save_freq > 0, else 0)",
+        )
+        return
+    if n > 0 and isinstance(t.save_freq, int) and t.save_freq <= 0:
+        p.add(
+            "trainer.max_restarts",
+            n,
+            f"needs checkpoints mid-run to restart from: trainer.save_freq > 0 (it is "
+            f"{t.save_freq}: {'only at the end' if t.save_freq == 0 else 'never'}); or 0 / "
+            "null (no automatic restart)",
+        )
+
+
+@check
 def _verbose(cfg: Any, p: Problems) -> None:
     if not isinstance(cfg.trainer.verbose, bool):
         p.add(

@@ -45,10 +45,15 @@ __all__ = [
 
 
 class TrainerRankFailed(RuntimeError):
-    """A trainer rank died or raised; `rank`, `what` (the call) and `step` say where."""
+    """A trainer rank died or raised; `rank`, `what` (the call) and `step` say where.
+    `died`: the rank's process is gone (killed, crashed), not an exception it raised or a
+    call past its timeout; a restart from the last checkpoint may cure only that
+    (`offbeat.core.trainer.restart`)."""
 
     def __init__(self, rank: int, what: str, step: int | None, cause: BaseException) -> None:
         self.rank, self.what, self.step = rank, what, step
+        self.cause = cause
+        self.died = _died(cause)
         at = f" during global step {step}" if step is not None else ""
         super().__init__(
             f"trainer rank {rank} failed in {what}{at}: {type(cause).__name__}: {cause}"

@@ -31,6 +31,9 @@ def print_report(summary: dict[str, Any], name: str) -> None:
         f"{counts['evicted']}, failed {counts['failed']}, still in flight "
         f"{counts['pending'] + counts['running'] + counts['finished']}"
     )
+    if summary.get("restarts"):
+        print(f"restarts after a dead trainer rank: {summary['restarts']} "
+              f"({'; '.join(summary['restart_causes'])})")  # fmt: skip
     if summary.get("removed_replicas"):
         print(f"replicas removed: {summary['removed_replicas']}")
     print(f"metrics: {summary['metrics']}\nplot: {summary['plot']}")
