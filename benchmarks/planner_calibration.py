@@ -130,6 +130,9 @@ def main() -> int:
     profile = Profile.load(path)
     say("profile's own short run: " + " ".join(
         f"{k}={profile.measured.get(k, float('nan')):.3f}" for k in KEYS))  # fmt: skip
+    ro = profile.rollout
+    say(f"profile's replica: cores {ro.cores or '(not pinned)'}, shared by {ro.shared_by}, "
+        f"device_busy={ro.device_busy:.3f} ({'measured' if ro.device_busy_measured else 'assumed'})")  # fmt: skip
 
     results = []
     for name in args.configs.split(","):
@@ -162,6 +165,8 @@ def main() -> int:
             + f"  ({m['steps']} steps, {how})")  # fmt: skip
         trainer = dataclasses.replace(profile.trainer, run_level=1.0)
         own = profile_from_run(cfg, work / name, trainer=trainer)
+        # a run's profile measures no core use: the profile's (how a lone replica uses them)
+        own.rollout.device_busy = profile.rollout.device_busy
         rep = predict(cfg, own, steps=args.steps)
         say(f"[{name}] replayed on the run's own profile: {rep.predict_line()}")
         results.append((name, {k: getattr(pred, k) for k in KEYS}, m,
