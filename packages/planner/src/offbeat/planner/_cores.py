@@ -50,7 +50,7 @@ class CoreSampler:
     def __init__(self, cores: list[int], period: float = 0.5, clock=time.perf_counter) -> None:
         self.cores, self.period, self.clock = set(cores), period, clock
         self.samples: list[tuple[float, float]] = []
-        self._used: dict[int, float] = {}
+        self._used: dict[int, float] = {}  # pid -> CPU s; `found`: any process seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="core-sampler", daemon=True)
 
@@ -58,6 +58,10 @@ class CoreSampler:
         if self.cores and Path("/proc/self/stat").exists():
             self._thread.start()
         return self
+
+    @property
+    def found(self) -> bool:
+        return bool(self._used)
 
     def __exit__(self, *exc) -> None:
         self._stop.set()

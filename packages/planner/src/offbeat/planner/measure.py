@@ -329,7 +329,7 @@ def profile_recipe(
         summary = asyncio.run(run_job(cfg))
     run_s = time.perf_counter() - t0
     prof = profile_from_run(cfg, work)
-    if cpu.samples and origins:
+    if cpu.found and origins:  # no process on the cores (Ray elsewhere): not measured
         events = json.loads((work / "profile" / "trace.json").read_text())["traceEvents"]
         first = min((e["ts"] for e in events if e.get("name") == "step 1"), default=0.0)
         busy = [(origins[-1] + a, origins[-1] + b)
