@@ -1,10 +1,10 @@
 """A worked case at scale, SIMULATED (no GPU ran): a 7B model on 32/64/128 GPUs,
 separate_async as `offbeat plan` would split it, against colocated sync on the same GPUs.
 
-    python benchmarks/planner_worked_case.py [--steps 6]
+    python benchmarks/planner_worked_case.py [--steps 4] [--gpus 32,64,128] [--ablations]
 
-The shape to reproduce is verl's published fully-async result (a 7B model, 2.35-2.67x over
-colocated sync on 32-128 GPUs). The GPU profile below is written by hand from public
+The shape to reproduce is verl's published fully-async result (a 7B model over colocated
+sync, time to 100..400 steps: 1.70-2.66x on 32 GPUs, 1.83-2.09x on 64, 2.35-2.67x on 128). The GPU profile below is written by hand from public
 figures and verl's published setup and timings, not measured: every input and its source is
 printed; `--ablations` varies the cap and the response lengths one at a time (64 GPUs).
 
