@@ -89,7 +89,18 @@ def main() -> int:
         "--reuse", help="runs made before (their folder): predict and replay only, run nothing"
     )
     ap.add_argument("--gpu", action="store_true", help="one CUDA GPU (see above)")
+    ap.add_argument(
+        "--measured",
+        help="an earlier series' results file: predict on --profile against the figures it "
+        "measured (its runs are gone: no replay), run nothing",
+    )
+    ap.add_argument(
+        "--device-busy", type=float,
+        help="with --measured: set the profile's rollout.device_busy (a what-if; not measured)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.measured:
+        return against_measured(args)
     base: list[str] = []
     if args.gpu:
         from gpu_separate_async import GPU_OVERRIDES
@@ -130,6 +141,9 @@ def main() -> int:
     profile = Profile.load(path)
     say("profile's own short run: " + " ".join(
         f"{k}={profile.measured.get(k, float('nan')):.3f}" for k in KEYS))  # fmt: skip
+    ro = profile.rollout
+    say(f"profile's replica: cores {ro.cores or '(not pinned)'}, shared by {ro.shared_by}, "
+        f"device_busy={ro.device_busy:.3f} ({'measured' if ro.device_busy_measured else 'assumed'})")  # fmt: skip
 
     results = []
     for name in args.configs.split(","):
@@ -162,6 +176,8 @@ def main() -> int:
             + f"  ({m['steps']} steps, {how})")  # fmt: skip
         trainer = dataclasses.replace(profile.trainer, run_level=1.0)
         own = profile_from_run(cfg, work / name, trainer=trainer)
+        # a run's profile measures no core use: the profile's (how a lone replica uses them)
+        own.rollout.device_busy = profile.rollout.device_busy
         rep = predict(cfg, own, steps=args.steps)
         say(f"[{name}] replayed on the run's own profile: {rep.predict_line()}")
         results.append((name, {k: getattr(pred, k) for k in KEYS}, m,
@@ -184,6 +200,46 @@ def main() -> int:
     say(f"# load at the end {load()}")
     _plot(results, plot_path, "GPU" if args.gpu else "CPU")
     say(f"plot: {plot_path}")
+    return 0
+
+
+def against_measured(args) -> int:
+    """The simulator as it is now, on a saved profile, against an earlier series' measured
+    lines ("[name] measured: step_s=... trainer_idle=... rollout_idle=... tokens_per_s=...")."""
+    import re
+
+    from offbeat.core.cli import load_recipe_config
+    from offbeat.planner import Profile, predict
+
+    profile = Profile.load(args.profile)
+    if args.device_busy is not None:
+        profile.rollout.device_busy = args.device_busy
+    found = {
+        m[1]: {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", m[2])}
+        for m in re.finditer(r"^\[(\w+)\] measured: (.*)$", Path(args.measured).read_text(), re.M)
+    }  # fmt: skip
+    print(f"# python benchmarks/planner_calibration.py {' '.join(sys.argv[1:])}")
+    print(f"# the simulator as committed, on {args.profile}, against the figures measured in "
+          f"{args.measured} (predicted before those runs: see that file)")  # fmt: skip
+    print("| config | step_s pred | meas | err | trainer_idle pred | meas | rollout_idle pred "
+          "| meas | err |")  # fmt: skip
+    print("|" + "---|" * 9)
+    for name in args.configs.split(","):
+        if name not in found:
+            continue
+        m = found[name]
+        _, cfg = load_recipe_config(
+            "separate_async", [*CONFIGS[name], f"trainer.total_training_steps={args.steps}",
+                               "trainer.test_freq=0", "trainer.val_before_train=false"],
+        )  # fmt: skip
+        p = predict(cfg, profile, steps=args.steps)
+        err = lambda k, p=p, m=m: (getattr(p, k) - m[k]) / m[k] * 100  # noqa: E731
+        print(f"| {name} | {p.step_s:.3f} | {m['step_s']:.3f} | {err('step_s'):+.1f}% | "
+              f"{p.trainer_idle:.3f} | {m['trainer_idle']:.3f} | {p.rollout_idle:.3f} | "
+              f"{m['rollout_idle']:.3f} | {err('rollout_idle'):+.1f}% |")  # fmt: skip
+    ro = profile.rollout
+    print(f"# profile's replica: cores {ro.cores or '(not recorded)'}, shared by {ro.shared_by}, "
+          f"device_busy={ro.device_busy} ({'measured' if ro.device_busy_measured else 'assumed'})")  # fmt: skip
     return 0
 
 

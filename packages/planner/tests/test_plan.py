@@ -22,7 +22,7 @@ from offbeat.planner import (
     plan,
     predict,
 )
-from offbeat.planner.plan import candidates
+from offbeat.planner.plan import candidates, replica_devices_of
 
 PREDICT = re.compile(
     r"^predicted: step_s=(\d+\.\d+) trainer_idle=(\d+\.\d+) rollout_idle=(\d+\.\d+) "
@@ -92,7 +92,9 @@ def test_plan_ranks_and_its_overrides_pass_check(devices, nodes, profile_path, c
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "scaling assumptions" in out and "replicas are independent" in out
+    assert (
+        "scaling assumptions" in out and "replicas on devices of their own are independent" in out
+    )
     rows = [line for line in out.splitlines() if re.match(r"^\| \d+ \|", line)]
     steps = [float(line.split("|")[5]) for line in rows]
     assert rows and steps == sorted(steps)  # ranked fastest first
@@ -122,10 +124,30 @@ def test_more_replicas_help_a_rollout_bound_job():
     slow = a_profile()
     slow.rollout.tokens_per_s = [5, 30, 120, 150]  # rollout-bound now
     _, cfg = load_recipe_config("separate_async", [])
+    cfg.resources.device = "cuda"  # replicas on GPUs of their own (no GPU needed to plan)
     ranked = plan(cfg, PlanRequest(devices=8, steps=6), slow)
     best = ranked[0]
     assert best.rollout_devices > best.trainer_devices
     assert best.result.step_s < ranked[-1].result.step_s
+    assert all(c.replica_devices == () for c in ranked)
+
+
+def test_replicas_on_the_same_cores_share_a_device():
+    _, cfg = load_recipe_config("separate_async", [])  # runtime.rollout_cpus=[0]
+    assert replica_devices_of(cfg, 1) == ()
+    assert replica_devices_of(cfg, 2) == (0, 0)  # share_of gives both core 0
+    cfg.runtime.rollout_cpus = [0, 1, 2, 3]
+    assert replica_devices_of(cfg, 2) == (0, 1)  # two cores each
+    assert replica_devices_of(cfg, 4) == (0, 1, 2, 3)
+    cfg.runtime.rollout_cpus = []
+    assert replica_devices_of(cfg, 3) == (0, 0, 0)  # unpinned: the machine's cores
+    cfg.resources.device = "cuda"
+    assert replica_devices_of(cfg, 4) == ()  # each replica its own GPUs
+    # the job's own placement reaches the simulator
+    _, two = load_recipe_config(
+        "separate_async", ["resources.devices_per_node=3", "resources.rollout_devices=2"]
+    )
+    assert predict(two, a_profile(), steps=3).config.replica_devices == (0, 0)
 
 
 def test_missing_profile_says_how_to_make_one(tmp_path):

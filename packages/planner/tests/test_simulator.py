@@ -168,3 +168,48 @@ def test_padded_batches_pay_for_the_longest_response_packed_ones_for_the_mean():
     assert all(s.train_s == pytest.approx(2 * rows * 0.099) for s in pad.steps)
     mean = [s.train_s / (2 * rows * 0.001) for s in packed.steps]  # mean response length
     assert all(30 < m < 70 for m in mean), mean
+
+
+def test_replicas_sharing_a_device_take_as_long_as_one_replica_with_all_the_work():
+    # A flat curve, equal lengths, an instant trainer: the rollout alone sets the step.
+    # Two replicas on one device that a lone replica saturates (device_busy 1) time-slice
+    # it: each decodes half as fast while both have requests, so together they make
+    # R tok/s, as one replica with all the work; on two devices they make 2R.
+    L, R = 7, 1000.0
+    p = profile(rate=R, lengths=[L], update_s=0.0)
+    work = 32 * 8 * L
+    one = simulate(config(mode="sync", steps=4), p)
+    shared = simulate(config(mode="sync", steps=4, replicas=2, replica_devices=(0, 0)), p)
+    own = simulate(config(mode="sync", steps=4, replicas=2, replica_devices=(0, 1)), p)
+    assert one.step_s == pytest.approx(work / R, rel=1e-6)
+    assert shared.step_s == pytest.approx(work / R, rel=1e-6)
+    assert own.step_s == pytest.approx(work / (2 * R), rel=1e-6)
+    assert simulate(config(mode="sync", steps=4, replicas=2), p).step_s == pytest.approx(
+        own.step_s, rel=1e-9
+    )  # no replica_devices: each its own
+    # A replica that keeps its device half busy leaves room for a second: no slowdown;
+    # 0.75 busy: each of the two is 1.5x slower than alone.
+    p.rollout.device_busy = 0.5
+    half = simulate(config(mode="sync", steps=4, replicas=2, replica_devices=(0, 0)), p)
+    assert half.step_s == pytest.approx(own.step_s, rel=1e-6)
+    p.rollout.device_busy = 0.75
+    most = simulate(config(mode="sync", steps=4, replicas=2, replica_devices=(0, 0)), p)
+    assert most.step_s == pytest.approx(1.5 * own.step_s, rel=1e-6)
+
+
+def test_a_curve_measured_on_shared_cores_has_the_sharing_in_it():
+    # Measured with two replicas on the device (shared_by 2, device_busy 1): replayed on
+    # the same placement the curve is used as measured; a replica alone there is twice
+    # as fast as the curve says.
+    L, R = 7, 1000.0
+    p = profile(rate=R, lengths=[L], update_s=0.0)
+    p.rollout.shared_by = 2
+    shared = simulate(config(mode="sync", steps=4, replicas=2, replica_devices=(0, 0)), p)
+    alone = simulate(config(mode="sync", steps=4), p)
+    assert shared.step_s == pytest.approx(32 * 8 * L / (2 * R), rel=1e-6)
+    assert alone.step_s == pytest.approx(32 * 8 * L / (2 * R), rel=1e-6)
+
+
+def test_replica_devices_names_one_device_per_replica():
+    with pytest.raises(ValueError, match="replica_devices"):
+        config(replicas=2, replica_devices=(0,))

@@ -74,6 +74,10 @@ def profile_main(args: argparse.Namespace) -> int:
     curve = " ".join(f"{c:g}:{v:.0f}" for c, v in zip(r.concurrency, r.tokens_per_s, strict=True))
     lens = r.response_lengths
     print(f"  rollout (per replica, TP {r.tp}) tokens/s by sequences in flight: {curve}")
+    where = f"cores {r.cores}" if r.cores else "devices of its own (not pinned to cores)"
+    busy = "measured" if r.device_busy_measured else "assumed"
+    print(f"  replica 0 on {where}, shared by {r.shared_by} replica(s); keeps them "
+          f"{r.device_busy:.2f} busy while it has requests ({busy})")  # fmt: skip
     if lens:
         print(
             f"  response lengths: {len(lens)} samples, mean {sum(lens) / len(lens):.2f}, max {max(lens)}"

@@ -23,9 +23,11 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from offbeat.planner._cores import CoreSampler, busy_fraction, union
 from offbeat.planner.profile import (
     Profile,
     RolloutProfile,
@@ -36,8 +38,10 @@ from offbeat.planner.profile import (
 )
 
 __all__ = [
+    "busy_intervals_from_trace",
     "measure_trainer",
     "profile_recipe",
+    "replica_cores",
     "rollout_curve_from_trace",
     "run_figures",
     "spans_named",
@@ -234,21 +238,105 @@ def short_run_overrides(work: Path, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
+def replica_cores(cfg: Any) -> tuple[list[int], int]:
+    """(cores of replica 0, replicas on those cores): its share of runtime.rollout_cpus on
+    CPU ([] when not pinned or not a CPU, with every replica counted as sharing when
+    unpinned on CPU)."""
+    from offbeat.core.config.support import replica_devices
+    from offbeat.planner.plan import replica_devices_of
+
+    replicas = max(1, cfg.resources.rollout_devices // replica_devices(cfg))
+    devices = replica_devices_of(cfg, replicas)
+    shared_by = devices.count(devices[0]) if devices else 1
+    cpus = list(getattr(getattr(cfg, "runtime", None), "rollout_cpus", None) or [])
+    if cfg.resources.device != "cpu" or not cpus:
+        return [], shared_by
+    from offbeat.core.cpus import share_of
+
+    return share_of(cpus, replicas, 0), shared_by
+
+
+def busy_intervals_from_trace(
+    events: list[dict[str, Any]], since_us: float = 0.0
+) -> list[tuple[float, float]]:
+    """(start, end) seconds on the trace's clock while the first replica (by track name)
+    had a request in flight (its "generate" lane spans from `since_us` on), its syncs
+    left out."""
+    names = _track_names(events)
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    syncs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        proc, _, thread = names.get((e["pid"], e["tid"]), "").rpartition("/")
+        span = (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+        if e["name"] == "generate" and thread.startswith("lane") and e["ts"] >= since_us:
+            spans[proc].append(span)
+        elif thread == "sync" and e["name"].startswith("sync v"):
+            syncs[proc].append(span)
+    if not spans:
+        return []
+    first = min(spans)
+    out = []
+    for a, b in union(spans[first]):
+        for s0, s1 in union(syncs.get(first, [])):
+            if s1 <= a or s0 >= b:
+                continue
+            if s0 > a:
+                out.append((a, s0))
+            a = max(a, s1)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+@contextmanager
+def _tracer_origins():
+    """The clock origin of every tracer the job makes (its trace's times count from it)."""
+    from offbeat.core.trainer import job
+
+    origins: list[float] = []
+    make = job.make_tracer
+
+    def make_tracer(*args, **kwargs):
+        tracer = make(*args, **kwargs)
+        if tracer is not None:
+            origins.append(tracer.origin)
+        return tracer
+
+    job.make_tracer = make_tracer
+    try:
+        yield origins
+    finally:
+        job.make_tracer = make
+
+
 def profile_recipe(
     recipe: str, overrides: list[str], *, steps: int = 6, out_dir: str | Path | None = None
 ) -> Profile:
     """Run `recipe` with `overrides` for `steps` traced steps, then time its train engine;
-    return the profile (the caller writes it)."""
+    return the profile (the caller writes it). On CPU with pinned replicas, the CPU time of
+    replica 0's processes while it had requests in flight gives `rollout.device_busy`."""
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.trainer.job import run_job
 
     work = Path(out_dir or tempfile.mkdtemp(prefix="offbeat-profile-"))
     _, cfg = load_recipe_config(recipe, [*overrides, *short_run_overrides(work, steps)])
+    cores, shared_by = replica_cores(cfg)
     load_before = _load_avg()
     t0 = time.perf_counter()
-    summary = asyncio.run(run_job(cfg))
+    with _tracer_origins() as origins, CoreSampler(cores if shared_by == 1 else []) as cpu:
+        summary = asyncio.run(run_job(cfg))
     run_s = time.perf_counter() - t0
     prof = profile_from_run(cfg, work)
+    if cpu.found and origins:  # no process on the cores (Ray elsewhere): not measured
+        events = json.loads((work / "profile" / "trace.json").read_text())["traceEvents"]
+        first = min((e["ts"] for e in events if e.get("name") == "step 1"), default=0.0)
+        busy = [(origins[-1] + a, origins[-1] + b)
+                for a, b in busy_intervals_from_trace(events, since_us=first)]  # fmt: skip
+        u = busy_fraction(cpu.samples, busy, len(cores))
+        if u is not None:
+            prof.rollout.device_busy, prof.rollout.device_busy_measured = round(u, 4), True
     prof.job.update(recipe=recipe, overrides=list(overrides), steps=steps)
     prof.measured.update(run_s=run_s, counts=summary.get("counts", {}))
     prof.machine["load_avg_before"] = load_before
@@ -269,9 +357,11 @@ def profile_from_run(cfg: Any, work: Path, trainer: TrainerProfile | None = None
     xs, ys = rollout_curve_from_trace(events, since_us=first_step)
     replicas = max(1, cfg.resources.rollout_devices // cfg.rollout.tensor_parallel_size)
     kwargs = dict(cfg.rollout.engine_kwargs or {})
+    cores, shared_by = replica_cores(cfg)
     rollout = RolloutProfile(
         tp=cfg.rollout.tensor_parallel_size, concurrency=xs or [1.0], tokens_per_s=ys or [1.0],
         response_lengths=lengths, max_num_seqs=int(kwargs.get("max_num_seqs", 256)),
+        cores=cores, shared_by=shared_by,
     )  # fmt: skip
     val_spans = spans_named(events, "validation_wait")
     before = [e for e in val_spans if e["ts"] < first_step]

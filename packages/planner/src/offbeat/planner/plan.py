@@ -23,12 +23,32 @@ __all__ = [
     "plan",
     "predict",
     "rank",
+    "replica_devices_of",
     "sim_config_from_job",
     "sweep",
 ]
 
 TP_CHOICES = (1, 2, 4, 8)
 SINGLE_MACHINE_BACKENDS = ("shm", "cuda_ipc")
+
+
+def replica_devices_of(cfg: Any, replicas: int) -> tuple[int, ...]:
+    """The device each of `replicas` rollout replicas decodes on, as the job places them:
+    on CPU, replicas with the same share of `runtime.rollout_cpus` share those cores (two
+    replicas on one core), and unpinned ones share the machine; on GPUs each replica has
+    devices of its own (empty: none shared)."""
+    from offbeat.core.cpus import share_of
+
+    if cfg.resources.device != "cpu" or replicas < 2:
+        return ()
+    rt = getattr(cfg, "runtime", None)
+    cpus = list(getattr(rt, "rollout_cpus", None) or [])
+    if not cpus:
+        return (0,) * replicas
+    ids: dict[tuple[int, ...], int] = {}
+    return tuple(
+        ids.setdefault(tuple(share_of(cpus, replicas, i)), len(ids)) for i in range(replicas)
+    )
 
 
 def sim_config_from_job(cfg: Any, profile: Profile, *, steps: int | None = None) -> SimConfig:
@@ -43,6 +63,7 @@ def sim_config_from_job(cfg: Any, profile: Profile, *, steps: int | None = None)
         padded - longest if padded > longest
         else float(profile.job.get("prompt_len_mean") or cfg.data.max_prompt_length)
     )  # fmt: skip
+    replicas = max(1, r.rollout_devices // cfg.rollout.tensor_parallel_size)
     return SimConfig(
         mode=t.mode,
         steps=steps if steps is not None else min(t.total_training_steps, 12),
@@ -55,7 +76,8 @@ def sim_config_from_job(cfg: Any, profile: Profile, *, steps: int | None = None)
         max_off_policy_strategy=a.max_off_policy_strategy,
         num_warmup_batches=a.num_warmup_batches,
         trainer_devices=r.trainer_devices,
-        replicas=max(1, r.rollout_devices // cfg.rollout.tensor_parallel_size),
+        replicas=replicas,
+        replica_devices=replica_devices_of(cfg, replicas),
         tp=cfg.rollout.tensor_parallel_size,
         max_concurrent_groups=getattr(rt, "max_concurrent_groups", 64) if rt else 64,
         prompt_len=prompt_len,
@@ -82,6 +104,7 @@ class Candidate:
     threshold: int
     strategy: str
     num_warmup_batches: int
+    replica_devices: tuple[int, ...] = ()  # shared devices (see SimConfig); empty: none
     result: SimResult | None = None
 
     @property
@@ -154,7 +177,10 @@ def candidates(cfg: Any, req: PlanRequest, profile: Profile) -> list[Candidate]:
     """Every split of `req.devices` the job config's rules accept."""
     rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     mp = cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size
-    return sweep(req, profile, rows=rows, model_parallel=mp)
+    out = sweep(req, profile, rows=rows, model_parallel=mp)
+    for c in out:  # as the job would place them with the config's cores
+        c.replica_devices = replica_devices_of(cfg, c.replicas)
+    return out
 
 
 def sweep(
@@ -198,7 +224,7 @@ def rank(base: SimConfig, cands: list[Candidate], profile: Profile) -> list[Cand
         sc = dataclasses.replace(
             base, mode=c.mode, trainer_devices=c.trainer_devices, replicas=c.replicas, tp=c.tp,
             max_off_policy_threshold=c.threshold, max_off_policy_strategy=c.strategy,
-            num_warmup_batches=c.num_warmup_batches,
+            num_warmup_batches=c.num_warmup_batches, replica_devices=c.replica_devices,
         )  # fmt: skip
         c.result = simulate(sc, profile)
         done.append(c)

@@ -37,9 +37,11 @@ SCALING_ASSUMPTIONS = (
     "trainer: data-parallel ranks split each mini-batch's rows evenly; throughput scales "
     "by the ranks ratio times trainer.dp_efficiency per doubling (the optimizer step does not "
     "shrink)",
-    "rollout: replicas are independent (one balancer, no shared bandwidth); a replica at "
-    "tensor parallelism t decodes (t / measured tp) x rollout.tp_efficiency per doubling "
-    "as fast, at the measured concurrency curve",
+    "rollout: replicas on devices of their own are independent (one balancer, no shared "
+    "bandwidth); replicas that share a device (CPU replicas on the same runtime.rollout_cpus) "
+    "time-slice it: k with requests each decode max(1, k x rollout.device_busy) slower; a "
+    "replica at tensor parallelism t decodes (t / measured tp) x rollout.tp_efficiency per "
+    "doubling as fast, at the measured concurrency curve",
     "weight sync: transfer time grows with bytes at the measured bandwidth, a fixed part "
     "per sync; replicas receive in parallel",
     "response lengths: the measured distribution (the policy does not change with the split)",
@@ -139,6 +141,20 @@ class RolloutProfile:
     # call's n until its last one ends: what `offbeat profile` reads from the trace) or
     # "sequences" (each decoding or queued sequence, an engine benchmark's axis).
     counts: str = "calls"
+    # Where the measured replica ran: its cores (CPU, runtime.rollout_cpus' share; []:
+    # not pinned or not a CPU), how many replicas shared them (their curve has that
+    # sharing in it), and the fraction of those cores it kept busy while it had requests
+    # in flight (1.0: it saturates them, assumed unless measured). Replicas that share a
+    # device slow each other by max(1, replicas with requests x device_busy).
+    cores: list[int] = field(default_factory=list)
+    shared_by: int = 1
+    device_busy: float = 1.0
+    device_busy_measured: bool = False
+
+    def slowdown(self, busy_replicas: int) -> float:
+        """How much slower each of `busy_replicas` replicas with requests on one device
+        decodes than one alone: time-slicing of what they keep busy."""
+        return max(1.0, busy_replicas * self.device_busy)
 
     def rate(self, in_flight: int, tp: int | None = None) -> float:
         """The replica's tokens/s with `in_flight` requests on it: the measured curve's

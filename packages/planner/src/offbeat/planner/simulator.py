@@ -4,7 +4,8 @@ It replays the trainer loop of `offbeat.core.trainer.trainer` on a clock instead
 engines: the rollout driver keeps `max_concurrent_groups` prompt groups of `n` samples
 in flight on `replicas` replicas (the balancer sends a group to the least-loaded one);
 each replica decodes its requests by processor sharing at the profile's tokens/s for
-that many in flight (requests past `max_num_seqs` queue); each sample's length is drawn
+that many in flight (requests past `max_num_seqs` queue; replicas that share a device
+time-slice it); each sample's length is drawn
 from the profile's response lengths. The trainer waits for its batch, trains
 `parameter_sync_step` mini-batches, then syncs: every replica pauses for the sync (the
 in-flight requests are aborted and resume afterwards with what they had: partial
@@ -66,6 +67,10 @@ class SimConfig:
     # How the trainer lays out a batch: "pad" to its longest response (offbeat's FSDP2
     # engine, TrajectoryBatch.pad) or "packed" (sequence packing: each row its own length).
     layout: str = "pad"
+    # The device (cores, GPUs) each replica decodes on: replicas with the same id share it
+    # (CPU replicas given the same runtime.rollout_cpus) and time-slice it (see `_rate`).
+    # Empty: every replica has devices of its own.
+    replica_devices: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,6 +81,11 @@ class SimConfig:
                 raise ValueError(f"{key}={v!r}: must be an int >= 1")
         if self.layout not in ("pad", "packed"):
             raise ValueError(f"layout={self.layout!r}: expected 'pad' or 'packed'")
+        if self.replica_devices and len(self.replica_devices) != self.replicas:
+            raise ValueError(
+                f"replica_devices={self.replica_devices!r}: one device id per replica "
+                f"(replicas={self.replicas})"
+            )
         if self.train_batch_size != self.parameter_sync_step * self.ppo_mini_batch_size:
             raise ValueError(
                 f"train_batch_size={self.train_batch_size} must equal parameter_sync_step="
@@ -184,6 +194,7 @@ class _Replica:
     has received since start; a request ends when it reaches its finish mark."""
 
     max_num_seqs: int
+    device: int | None = None  # replicas with the same id share one device; None: its own
     served: float = 0.0
     heap: list[tuple[float, int, Any]] = field(default_factory=list)
     queue: deque = field(default_factory=deque)
@@ -217,7 +228,13 @@ class _Sim:
         self.rng = random.Random(cfg.seed)
         self.buffer = ReplayBuffer(cfg.buffer_config())
         mns = max(1, profile.rollout.max_num_seqs)
-        self.replicas = [_Replica(mns) for _ in range(cfg.replicas)]
+        devices = cfg.replica_devices or tuple(range(cfg.replicas))
+        self.replicas = [_Replica(mns, d) for d in devices]
+        # The replicas of each shared device (a device of one replica is not shared).
+        self.peers: dict[int, list[_Replica]] = {}
+        for r in self.replicas:
+            self.peers.setdefault(r.device, []).append(r)
+        self.peers = {d: rs for d, rs in self.peers.items() if len(rs) > 1}
         self.lengths = [
             max(1, min(int(x), cfg.max_tokens)) for x in profile.rollout.response_lengths
         ] or [cfg.max_tokens]
@@ -237,16 +254,29 @@ class _Sim:
         self._deadline = float("inf")
 
     # ---- rollout -----------------------------------------------------------------------
+    def _load(self, r: _Replica) -> int:
+        """What a replica holds, counted as the profile's curve counts it: "calls" (a
+        group call's n sequences until its last ends, as the trace shows them) or
+        "sequences" (each one until it ends, queued ones included)."""
+        return r.outstanding if self.p.rollout.counts == "calls" else len(r.heap) + len(r.queue)
+
     def _rate(self, r: _Replica) -> float:
-        """Tokens/s of each decoding request: the replica's rate for what it holds, shared
-        by the ones decoding. What it holds is counted as the profile's curve counts it:
-        "calls" (a group call's n sequences until its last ends, as the trace shows them)
-        or "sequences" (each one until it ends, queued ones included)."""
+        """Tokens/s of each decoding request: its replica's rate for what it holds, shared
+        by the ones decoding. Replicas on one device (`SimConfig.replica_devices`) share
+        its time: a lone replica keeps its device `device_busy` busy, so k replicas with
+        requests slow each other by max(1, k x device_busy) (time-slicing, as the OS
+        shares pinned cores); a curve measured with `shared_by` replicas on the device
+        had that slowdown in it already."""
         c = len(r.heap)
         if not c:
             return 0.0
-        load = r.outstanding if self.p.rollout.counts == "calls" else c + len(r.queue)
-        return self.p.rollout.rate(load, self.cfg.tp) / c
+        ro = self.p.rollout
+        rate = ro.rate(self._load(r), self.cfg.tp) / c
+        peers = self.peers.get(r.device) if r.device is not None else None
+        busy = sum(1 for q in peers if q.heap) if peers else 1
+        if busy == ro.shared_by:
+            return rate
+        return rate * ro.slowdown(ro.shared_by) / ro.slowdown(busy)
 
     def _active(self) -> list[_Replica]:
         extra = self.val.hybrid if self.val is not None else []
