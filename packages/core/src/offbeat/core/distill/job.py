@@ -253,7 +253,7 @@ class OPDExtension(JobExtension):
         top_k = d.top_k if d.loss == "topk_forward_kl" else 0
         return DistillAgentLoop(agent, self.router, self.pool, top_k=top_k)
 
-    def make_validator(self, cfg: Any, agent: Any, rows: list) -> Any:
+    def make_validator(self, cfg: OPDConfig, agent: Any, rows: list) -> Any:
         from offbeat.core.distill.validation import PerTaskValidator
 
         self.val_agent = agent

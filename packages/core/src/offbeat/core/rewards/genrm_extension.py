@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from offbeat.core.config import JobConfig
 from offbeat.core.registry import REWARD_EXTENSIONS
 from offbeat.core.rewards import genrm_replicas
 from offbeat.core.trainer.extension import JobExtension
@@ -24,19 +25,19 @@ class GenRMExtension(JobExtension):
     """The judge of `reward.genrm`: its replicas, its transport and its step hook."""
 
     def __init__(self) -> None:
-        self.cfg: Any = None
+        self.cfg: JobConfig | None = None
         self.judges: dict[str, Any] = {}
         self.hook: Any = None  # genrm_replicas.GenRMStepHook, once set up
 
-    def configure(self, cfg: Any) -> Any:
+    def configure(self, cfg: JobConfig) -> JobConfig:
         from offbeat.core.models import cache_root
 
         return genrm_replicas.resolve_judge_model(cfg, cache_root())
 
-    def pools(self, cfg: Any) -> list[Any]:
+    def pools(self, cfg: JobConfig) -> list[Any]:
         return genrm_replicas.judge_pools(cfg)
 
-    def start_replicas(self, cfg: Any, pools: Any) -> dict[str, Any]:
+    def start_replicas(self, cfg: JobConfig, pools: Any) -> dict[str, Any]:
         self.judges = genrm_replicas.start_judges(cfg, pools)
         return self.judges
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from offbeat.core.config import JobConfig
+
 __all__ = [
     "JobExtension",
     "batch_hook",
@@ -42,17 +44,17 @@ __all__ = [
 class JobExtension:
     """A recipe's part of the job; see the module docstring for when each method runs."""
 
-    def configure(self, cfg: Any) -> Any:
+    def configure(self, cfg: JobConfig) -> JobConfig:
         """The config with what this extension builds filled in (task files, models).
         Blocking: runs in a worker thread before Ray starts and before anything is
         pinned, so a build may use every core."""
         return cfg
 
-    def pools(self, cfg: Any) -> list[Any]:
+    def pools(self, cfg: JobConfig) -> list[Any]:
         """Extra named resource pools (`PoolSpec`s) reserved with the job's."""
         return []
 
-    def start_replicas(self, cfg: Any, pools: Any) -> dict[str, Any]:
+    def start_replicas(self, cfg: JobConfig, pools: Any) -> dict[str, Any]:
         """{server_id: replica} it starts (not awaited), in its bundles of `pools`; the job
         shuts them down at the end. They never join the weight sync."""
         return {}
@@ -68,7 +70,7 @@ class JobExtension:
         """The agent loop validation samples with."""
         return agent
 
-    def make_validator(self, cfg: Any, agent: Any, rows: list) -> Any:
+    def make_validator(self, cfg: JobConfig, agent: Any, rows: list) -> Any:
         """A validator in place of `Validator.from_job` (None: no say)."""
         return None
 
@@ -97,7 +99,7 @@ def overrides(ext: JobExtension, name: str) -> bool:
     return getattr(type(ext), name, None) is not getattr(JobExtension, name)
 
 
-def reward_extensions(cfg: Any) -> list[JobExtension]:
+def reward_extensions(cfg: JobConfig) -> list[JobExtension]:
     """The extension `reward.name` declares in `REWARD_EXTENSIONS`, or none."""
     from offbeat.core.registry import REWARD_EXTENSIONS
 
@@ -105,19 +107,19 @@ def reward_extensions(cfg: Any) -> list[JobExtension]:
     return [REWARD_EXTENSIONS.get(name)()] if name in REWARD_EXTENSIONS else []
 
 
-def configure(cfg: Any, extensions: Sequence[JobExtension]) -> Any:
+def configure(cfg: JobConfig, extensions: Sequence[JobExtension]) -> JobConfig:
     """`cfg` through every extension's `configure`, in order (blocking)."""
     for ext in extensions:
         cfg = ext.configure(cfg)
     return cfg
 
 
-def extra_pools(cfg: Any, extensions: Sequence[JobExtension]) -> list[Any]:
+def extra_pools(cfg: JobConfig, extensions: Sequence[JobExtension]) -> list[Any]:
     return [spec for ext in extensions for spec in ext.pools(cfg)]
 
 
 def start_extension_replicas(
-    cfg: Any, pools: Any, extensions: Sequence[JobExtension], started: dict[str, Any]
+    cfg: JobConfig, pools: Any, extensions: Sequence[JobExtension], started: dict[str, Any]
 ) -> None:
     """Start every extension's replicas into `started` (the caller shuts them down, also
     those of the extensions before one whose start failed)."""
@@ -126,7 +128,7 @@ def start_extension_replicas(
 
 
 def make_validator(
-    cfg: Any, agent: Any, rows: list, extensions: Sequence[JobExtension], default: Callable
+    cfg: JobConfig, agent: Any, rows: list, extensions: Sequence[JobExtension], default: Callable
 ) -> Any:
     """The first validator an extension makes, else `default(cfg, agent, rows)`."""
     for ext in extensions:
