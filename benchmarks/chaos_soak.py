@@ -111,7 +111,6 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
     import ray
 
     from offbeat.core.cli import main as cli_main
-    from offbeat.core.distill import job as opd_module
     from offbeat.core.runtime.group import TrainerGroup
     from offbeat.core.trainer import job as job_module
     from offbeat.core.trainer.fixed_replicas import FixedReplicas
@@ -140,9 +139,8 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
         groups.append(group)
         return group
 
-    real_sync, real_with, real_job, real_opd, real_fixed = (
-        ReplicaPool.sync, job_module.run_with_replicas, job_module.run_job, opd_module.run_opd,
-        FixedReplicas.__init__,
+    real_sync, real_with, real_job, real_fixed = (
+        ReplicaPool.sync, job_module.run_with_replicas, job_module.run_job, FixedReplicas.__init__,
     )  # fmt: skip
     validating: dict[str, int] = {}  # the step whose sync the trainer did last
     fixed: list = []  # every teacher's / the judges' FixedReplicas, in creation order
@@ -264,17 +262,12 @@ def child(plan_path: str, out_path: str, argv: list[str]) -> int:
         write(summary)
         return summary
 
-    async def run_opd(cfg):
-        summary = await real_opd(cfg)
-        write(summary)
-        return summary
-
     ReplicaPool.sync = sync
     TrainerGroup.start = classmethod(start_group)
     FixedReplicas.__init__ = fixed_init
     job_module.run_with_replicas = run_with_replicas
-    job_module.run_job = run_job  # the recipe's main imports it after this (genrm calls it)
-    opd_module.run_opd = run_opd  # opd's main imports it after this
+    # Every recipe's main imports it after this (opd and genrm: through their runners).
+    job_module.run_job = run_job
     return cli_main(argv)
 
 

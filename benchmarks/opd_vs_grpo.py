@@ -42,17 +42,16 @@ def one_seed(seed: int, extra: list[str], grpo_lr: float | None) -> dict:
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.cpus import machine_cpus, pin_process
     from offbeat.core.distill.build import write_mixed_task_files
-    from offbeat.core.distill.job import run_opd
     from offbeat.core.trainer.job import run_job
 
     # A job pins this process to the trainer's cores, and the next job's Ray (and its
     # replicas) inherits this process's mask: give it back every core before each job.
     pin_process(machine_cpus())
     over = [f"trainer.seed={seed}", f"data.seed={seed}", "runtime.progress_bar=false", *extra]
-    _, cfg = load_recipe_config("opd", [*over, f"trainer.experiment_name=opd-s{seed}"])
+    opd_recipe, cfg = load_recipe_config("opd", [*over, f"trainer.experiment_name=opd-s{seed}"])
     print(f"[seed {seed}] opd: loadavg before {loadavg()}", flush=True)
     try:
-        opd = asyncio.run(run_opd(cfg))
+        opd = asyncio.run(opd_recipe.run_opd(cfg))
     finally:
         ray.shutdown()
     print(f"[seed {seed}] opd: {opd['total_wall_s']:.0f}s, loadavg after {loadavg()}", flush=True)

@@ -61,9 +61,10 @@ def test_policy_learns_from_judge_alone_through_parse_failures_and_a_killed_judg
 ):
     ray = ray_session.up()
 
+    from offbeat.core.cli import load_recipe
     from offbeat.core.rewards import genrm_replicas
-    from offbeat.core.rewards.genrm_job import run_genrm
 
+    run_genrm = load_recipe("genrm")[0].run_genrm  # the recipe's runner
     cfg = genrm_config(
         tmp_path, "genrm_e2e", "reward.genrm.replicas=2", "runtime.replica_replace_attempts=0"
     )

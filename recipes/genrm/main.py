@@ -8,18 +8,52 @@ reads question, response and reference through `reward.genrm.template` and write
 verdict ending in a score; the parsed score, normalised to [0, 1], is the reward. The
 rule reward is logged beside it (`genrm/rule_reward_mean`), never trained on. By default
 the judge is a tiny model SFT-trained (cached) to grade the synthetic task's answers.
-The pieces live in offbeat.core.rewards (genrm, genrm_replicas, genrm_sft, genrm_job).
+
+The runner is this file's `run_genrm`: the separate_async job (`run_job`) extended by
+`JudgeBuild` (the judged task files and the SFT-trained judge before Ray starts; the
+judge-vs-rule plot at the end). `reward.name=genrm` brings the rest through the job
+extension that reward declares (`offbeat.core.rewards.genrm_extension`): the judge
+replicas in their own pool, their balancer, the step hook, the summary's "genrm". The
+pieces live in offbeat.core.rewards (genrm, genrm_replicas, genrm_extension, genrm_sft,
+genrm_job).
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
-from offbeat.core.rewards.genrm_job import GenRMRunConfig, run_genrm
+from offbeat.core.rewards.genrm_job import GenRMRunConfig, plot_genrm, prepare_genrm
+from offbeat.core.trainer.extension import JobExtension
+from offbeat.core.trainer.job import run_job
 from offbeat.core.trainer.restart import run_with_restarts
 
 CONFIG = GenRMRunConfig  # the schema config.yaml and the overrides are loaded into
+
+
+class JudgeBuild(JobExtension):
+    """The recipe's own part: its task and judge before Ray starts, its plot at the end."""
+
+    judge_model: str | None = None
+
+    def configure(self, cfg: GenRMRunConfig) -> GenRMRunConfig:
+        from offbeat.core.models import cache_root
+
+        cfg = prepare_genrm(cfg, cache_root())  # builds and trains the judge unless cached
+        self.judge_model = dict(cfg.reward.genrm).get("model_path")
+        return cfg
+
+    async def report(self, summary: dict[str, Any]) -> None:
+        history = summary["trainer"].tracker.history
+        plot = plot_genrm(history, Path(summary["run_dir"]) / "genrm.png")
+        summary["genrm_plot"] = str(plot) if plot else None
+        summary["judge_model"] = self.judge_model
+
+
+async def run_genrm(cfg: GenRMRunConfig) -> dict[str, Any]:
+    """Run `cfg` (validated) to the end; the summary adds `genrm_plot` and `judge_model`."""
+    return await run_job(cfg, extensions=[JudgeBuild()])
 
 
 def report(s: dict[str, Any]) -> None:

@@ -8,7 +8,12 @@ The student samples; each finished group goes to its teacher (routed by the row'
 pi_teacher) (verl's k1, no discount, no group baseline) in separate_async's
 policy-gradient loss; `topk_forward_kl` (this recipe's default): the forward KL to the
 teacher's top-k tokens at each sampled prefix. Teachers are engine replicas in pools of
-their own, one balancer each. The pieces live in offbeat.core.distill.
+their own, one balancer each.
+
+The runner is this file's `run_opd`: the separate_async job (`run_job`) extended by
+`OPDExtension`, which builds the teachers, starts them in pools of their own, scores each
+group on its teacher, turns the scores into advantages and validates per task. The pieces
+live in offbeat.core.distill.
 """
 
 from __future__ import annotations
@@ -16,11 +21,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from offbeat.core.distill.job import OPDConfig, run_opd
+from offbeat.core.distill.job import OPDConfig, OPDExtension
 from offbeat.core.distill.report import task_table
+from offbeat.core.trainer.job import run_job
 from offbeat.core.trainer.restart import run_with_restarts
 
 CONFIG = OPDConfig  # the schema config.yaml and the overrides are loaded into
+
+
+async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
+    """Run `cfg` (validated) to the end; shut every replica down after."""
+    return await run_job(cfg, extensions=[OPDExtension()])
 
 
 def report(s: dict[str, Any]) -> None:

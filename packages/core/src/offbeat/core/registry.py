@@ -1,8 +1,9 @@
 """Small name → object registries, and the ones offbeat's config names point into.
 
 A registry knows nothing about what it holds: advantage estimators, loss-aggregation
-modes, rollout engines, train engines, reward functions and devices all use the same
-class. Names are filled three ways, all resolved lazily on the first lookup:
+modes, rollout engines, train engines, reward functions, rewards' job extensions and
+devices all use the same class. Names are filled three ways, all resolved lazily on the
+first lookup:
 
 * `REG.register("name", obj)` (or `@REG.register("name")`) from the providing module;
 * `builtin_modules`: modules of this distribution imported on first lookup, so that a
@@ -27,6 +28,7 @@ __all__ = [
     "DEVICES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "REWARD_EXTENSIONS",
     "REWARD_FUNCTIONS",
     "ROLLOUT_ENGINES",
     "TRAIN_ENGINES",
@@ -190,6 +192,13 @@ REWARD_FUNCTIONS: Registry[Any] = Registry(
     "reward function",
     entry_point_group="offbeat.rewards",
     builtin_modules=("offbeat.core.rewards",),
+)
+# A reward's part of the job (`offbeat.core.trainer.extension`): reward.name -> a
+# zero-argument factory of the `JobExtension` that reward needs (GenRM: its judge replicas).
+REWARD_EXTENSIONS: Registry[Callable[[], Any]] = Registry(
+    "reward job extension",
+    entry_point_group="offbeat.reward_extensions",
+    builtin_modules=("offbeat.core.rewards.genrm_extension",),
 )
 DEVICES: Registry[Any] = Registry(
     "device", entry_point_group="offbeat.devices", builtin_modules=("offbeat.core.device",)

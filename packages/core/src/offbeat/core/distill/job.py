@@ -1,20 +1,21 @@
-"""An on-policy distillation job: separate_async with teachers in their own pools.
+"""On-policy distillation's part of the separate_async job: teachers in their own pools.
 
-`run_opd(cfg)` builds the mixed dataset and the teachers (cached), reserves the job's
-resource pools plus one named pool per teacher (`teacher-<name>`: a bundle per replica),
-starts the student's rollout replicas and every teacher's replicas in their bundles from
-the same `rollout.engine` factory, and runs the separate_async job with three hooks: the rollout's agent loop scores each finished group
-on its teacher, the trainer's batch hook turns teacher log-probs into advantages, and
-validation reports reward per task. A teacher replica that dies is replaced in its
-bundle (`teacher_replacements`; the scoring calls on it retry on the replacement). At the
-end each teacher is validated on every task.
+`OPDExtension` (a `JobExtension`; the opd recipe runs `run_job(cfg, [OPDExtension()])`)
+builds the mixed dataset and the teachers (cached) before Ray starts, reserves one named
+pool per teacher (`teacher-<name>`: a bundle per replica), starts every teacher's replicas
+in their bundles from the same `rollout.engine` factory as the student's, and then: the
+rollout's agent loop scores each finished group on its teacher, the trainer's batch hook
+turns teacher log-probs into advantages, and validation reports reward per task. A
+teacher replica that dies is replaced in its bundle (`teacher_replacements`; the scoring
+calls on it retry on the replacement). At the end each teacher is validated on every
+task and the summary gets the per-task table's parts and `opd.png`. Knows nothing of the
+job's assembly: only what to do at each of the extension's points.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,13 @@ from offbeat.core.distill.config import DistillationConfig
 from offbeat.core.distill.teachers import TeacherPool, TeacherRouter
 from offbeat.core.train.loss import TEACHER_TOPK_IDS as TOPK_IDS
 from offbeat.core.train.loss import TEACHER_TOPK_LOG_PROBS as TOPK_LOG_PROBS
+from offbeat.core.trainer.extension import JobExtension
 from offbeat.core.trainer.job import RunConfig
 
 __all__ = [
     "OPDConfig",
+    "OPDExtension",
     "make_batch_hook",
-    "run_opd",
     "start_teachers",
     "teacher_job",
     "teacher_pool",
@@ -193,97 +195,99 @@ async def _evaluate_teachers(agent: Any, pool: TeacherPool, rows: list, d: Disti
     return out
 
 
-async def run_opd(cfg: OPDConfig) -> dict[str, Any]:
-    """Run `cfg` (validated) to the end; shut every replica down after."""
-    from offbeat.core.distill.agent_loop import DistillAgentLoop
-    from offbeat.core.distill.build import build_teachers, write_mixed_task_files
-    from offbeat.core.distill.report import plot_opd
-    from offbeat.core.distill.validation import PerTaskValidator
-    from offbeat.core.runtime.launch import start_pools
-    from offbeat.core.tasks import read_parquet
-    from offbeat.core.trainer.job import (
-        JobHooks,
-        announce_logs,
-        init_ray,
-        pin_trainer,
-        prepare,
-        run_with_replicas,
-        shutdown_replicas,
-        split_gpus,
-        start_replicas,
-    )  # fmt: skip
-    from offbeat.core.trainer.trainer import TrainerSettings
+class OPDExtension(JobExtension):
+    """The teachers of `distillation` (an `OPDConfig`), from their build to their report."""
 
-    t0 = time.perf_counter()
-    d = cfg.distillation
-    from offbeat.core.models import cache_root
+    def __init__(self) -> None:
+        self.d: DistillationConfig | None = None
+        self.teacher_dirs: dict[str, Path] = {}
+        self.teachers: dict[str, dict[str, Any]] = {}  # teacher -> {server_id: server}
+        self.router: TeacherRouter | None = None
+        self.pool: TeacherPool | None = None
+        self._batch_hook: Any = None
+        self.validator: Any = None  # the student's PerTaskValidator
+        self.val_agent: Any = None  # what it samples with (the teachers' validation reuses it)
+        self.val_files: list[str] = []
 
-    cache = cache_root()
-    if not cfg.data.train_files and d.tasks:
-        train, val = write_mixed_task_files(list(d.tasks), cache / "tasks")
-        cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(cfg.data, train_files=train, val_files=val)
-        )
-    # Teachers built (or read from the cache) before anything is pinned, side by side, so
-    # a cold start spreads them over the machine's cores.
-    teacher_dirs = await asyncio.to_thread(
-        build_teachers, dict(d.teachers), cache, prompt_key=cfg.data.prompt_key
-    )
-    init_ray(cfg.runtime, num_gpus=split_gpus(cfg), log_to_driver=cfg.trainer.verbose)
-    announce_logs(cfg)
-    pin_trainer(cfg.runtime)
-    p = await asyncio.to_thread(prepare, cfg)
-    pools = await start_pools(p.cfg, teacher_pool_specs(p.cfg, d))
-    servers = start_replicas(p, pools)
-    teacher_servers = start_teachers(p.cfg, d, teacher_dirs, pools)
-    everything = {**servers, **{k: v for s in teacher_servers.values() for k, v in s.items()}}
-    pool = None
-    try:
-        await asyncio.gather(*(s.refresh() for t in teacher_servers.values() for s in t.values()))
-        router = TeacherRouter(
-            list(d.teachers), teacher_key=d.teacher_key, default=d.default_teacher
-        )
-        pool = TeacherPool(
-            teacher_servers, max_retries=d.max_retries, timeout_s=d.timeout_s,
-            replacements=teacher_replacements(p.cfg, d, teacher_dirs, pools),
+    def configure(self, cfg: OPDConfig) -> OPDConfig:
+        """The mixed task files (when no dataset is given) and the teachers, built or read
+        from the cache before anything is pinned, so a cold start spreads them over the
+        machine's cores."""
+        from offbeat.core.distill.build import build_teachers, write_mixed_task_files
+        from offbeat.core.models import cache_root
+
+        d, cache = cfg.distillation, cache_root()
+        if not cfg.data.train_files and d.tasks:
+            train, val = write_mixed_task_files(list(d.tasks), cache / "tasks")
+            data = dataclasses.replace(cfg.data, train_files=train, val_files=val)
+            cfg = dataclasses.replace(cfg, data=data)
+        self.teacher_dirs = build_teachers(dict(d.teachers), cache, prompt_key=cfg.data.prompt_key)
+        return cfg
+
+    def pools(self, cfg: OPDConfig) -> list[Any]:
+        return teacher_pool_specs(cfg, cfg.distillation)
+
+    def start_replicas(self, cfg: OPDConfig, pools: Any) -> dict[str, Any]:
+        self.teachers = start_teachers(cfg, cfg.distillation, self.teacher_dirs, pools)
+        return {k: v for servers in self.teachers.values() for k, v in servers.items()}
+
+    async def setup(self, prepared: Any, pools: Any) -> None:
+        from offbeat.core.trainer.trainer import TrainerSettings
+
+        cfg = prepared.cfg
+        d = self.d = cfg.distillation
+        self.val_files = list(prepared.val_files)
+        await asyncio.gather(*(s.refresh() for t in self.teachers.values() for s in t.values()))
+        self.router = TeacherRouter(list(d.teachers), teacher_key=d.teacher_key,
+                                    default=d.default_teacher)  # fmt: skip
+        self.pool = TeacherPool(
+            self.teachers, max_retries=d.max_retries, timeout_s=d.timeout_s,
+            replacements=teacher_replacements(cfg, d, self.teacher_dirs, pools),
         )  # fmt: skip
-        settings = TrainerSettings.from_job(p.cfg)
-        validators: list[PerTaskValidator] = []
+        self._batch_hook = make_batch_hook(d, self.router, self.pool, TrainerSettings.from_job(cfg))
 
-        def make_validator(job: Any, agent: Any, rows: list) -> PerTaskValidator:
-            v = PerTaskValidator(
-                agent, rows, task_key=d.teacher_key, max_concurrency=job.data.val_batch_size
-            )
-            validators.append(v)
-            agents.append(agent)
-            return v
+    def wrap_agent(self, agent: Any) -> Any:
+        from offbeat.core.distill.agent_loop import DistillAgentLoop
 
-        agents: list[Any] = []
-        hooks = JobHooks(
-            wrap_agent=lambda agent: DistillAgentLoop(
-                agent, router, pool, top_k=d.top_k if d.loss == "topk_forward_kl" else 0
-            ),
-            batch_hook=make_batch_hook(d, router, pool, settings),
-            make_validator=make_validator,
+        d = self.d
+        top_k = d.top_k if d.loss == "topk_forward_kl" else 0
+        return DistillAgentLoop(agent, self.router, self.pool, top_k=top_k)
+
+    def make_validator(self, cfg: OPDConfig, agent: Any, rows: list) -> Any:
+        from offbeat.core.distill.validation import PerTaskValidator
+
+        self.val_agent = agent
+        self.validator = PerTaskValidator(
+            agent, rows, task_key=self.d.teacher_key, max_concurrency=cfg.data.val_batch_size
         )
-        summary = await run_with_replicas(p, servers, version_offset=0, pools=pools, hooks=hooks)
-        val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        summary["teacher_val"] = await _evaluate_teachers(agents[0], pool, val_rows, d)
-        summary["student_val"] = validators[0].history
-        summary["routed"] = dict(router.counts)
-        summary["teachers"] = pool.summary()  # removed, replaced, given up (per teacher)
-    finally:
-        if pool is not None:
-            await pool.close()
-            everything.update(pool.started)  # the replacements it started
-        await shutdown_replicas(everything)
-        pools.remove()
-    history = summary["trainer"].tracker.history
-    tasks = {
-        k.split("/")[1] for r in history for k in r if k.startswith("val/") and k.count("/") == 2
-    }
-    summary["routes"] = {t: t if t in d.teachers else d.default_teacher for t in sorted(tasks)}
-    path = Path(summary["run_dir"]) / "opd.png"
-    summary["opd_plot"] = str(plot_opd(history, summary["teacher_val"], summary["routes"], path))
-    summary["total_wall_s"] = time.perf_counter() - t0
-    return summary
+        return self.validator
+
+    def batch_hook(self, batch: Any, data: dict[str, Any]) -> dict[str, float]:
+        return self._batch_hook(batch, data)
+
+    async def report(self, summary: dict[str, Any]) -> None:
+        """Every teacher validated on every task; the student's per-task history, the
+        routing counts, each teacher's replicas and `opd.png`."""
+        from offbeat.core.distill.report import plot_opd
+        from offbeat.core.tasks import read_parquet
+
+        d = self.d
+        rows = [r for f in self.val_files for r in read_parquet(f)]
+        summary["teacher_val"] = await _evaluate_teachers(self.val_agent, self.pool, rows, d)
+        summary["student_val"] = self.validator.history
+        summary["routed"] = dict(self.router.counts)
+        summary["teachers"] = self.pool.summary()  # removed, replaced, given up (per teacher)
+        history = summary["trainer"].tracker.history
+        per_task = (k for r in history for k in r if k.startswith("val/") and k.count("/") == 2)
+        tasks = {k.split("/")[1] for k in per_task}  # val/<task>/<metric>
+        routes = {t: t if t in d.teachers else d.default_teacher for t in sorted(tasks)}
+        path = Path(summary["run_dir"]) / "opd.png"
+        summary["routes"] = routes
+        summary["opd_plot"] = str(plot_opd(history, summary["teacher_val"], routes, path))
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    def replacements(self) -> dict[str, Any]:
+        return dict(self.pool.started) if self.pool is not None else {}

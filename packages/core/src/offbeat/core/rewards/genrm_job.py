@@ -1,16 +1,15 @@
-"""A GenRM job: separate_async trained on an LLM judge's scores, the judge built first.
+"""What the genrm recipe builds around the job: its config, its task, its judge, its plot.
 
-`run_genrm(cfg)` writes the synthetic task with each row's question in `extra_info` (what
-the `genrm` scorer reads), trains the tiny judge (`judge_sft`, cached), points
-`reward.genrm.model_path` at it and runs the separate_async job, which starts the judge
-replicas behind their own balancer and stops them at the end. Afterwards it draws the
-judge's score against the rule reward per step. Knows nothing of engines or the trainer's
-insides: everything else is `run_job`'s.
+`prepare_genrm(cfg, cache)` writes the synthetic task with each row's question in
+`extra_info` (what the `genrm` scorer reads), trains the tiny judge (`judge_sft`, cached)
+and points `reward.genrm.model_path` at it; `plot_genrm` draws the judge's score against
+the rule reward per step. The recipe's runner (recipes/genrm/main.py) calls them from its
+`JobExtension`; the judge replicas themselves are `genrm_extension`'s. Knows nothing of
+engines or the trainer's insides.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from offbeat.core.rewards.genrm_sft import JudgeSFTConfig, build_judge
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer.job import RunConfig
 
-__all__ = ["GenRMRunConfig", "plot_genrm", "prepare_genrm", "run_genrm", "write_judged_task_files"]
+__all__ = ["GenRMRunConfig", "plot_genrm", "prepare_genrm", "write_judged_task_files"]
 
 
 @dataclass
@@ -98,18 +97,3 @@ def prepare_genrm(cfg: GenRMRunConfig, cache: Path) -> GenRMRunConfig:
         raw["model_path"] = str(build_judge(cfg.judge_sft, from_config(raw), base, cache))
         cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, genrm=raw))
     return cfg
-
-
-async def run_genrm(cfg: GenRMRunConfig) -> dict[str, Any]:
-    """Run `cfg` (validated) to the end; the summary adds the judge's `genrm_plot`."""
-    from offbeat.core.models import cache_root
-    from offbeat.core.trainer.job import run_job
-
-    cache = cache_root()
-    cfg = await asyncio.to_thread(prepare_genrm, cfg, cache)
-    summary = await run_job(cfg)
-    history = summary["trainer"].tracker.history
-    plot = plot_genrm(history, Path(summary["run_dir"]) / "genrm.png")
-    summary["genrm_plot"] = str(plot) if plot else None
-    summary["judge_model"] = dict(cfg.reward.genrm).get("model_path")
-    return summary

@@ -205,11 +205,11 @@ def judge_tokenizer(cfg: Any) -> Any:
 
 def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any = None,
                 tokenizer: Any = None, replacement: Any = None) -> Any:  # fmt: skip
-    """The job's one hook, called on its event loop: build the `GenRMJudge` that
-    `reward.genrm` describes (over `servers` from `start_judges`, dead ones replaced by
-    `replacement`, else the url), install it
-    for the registry's `genrm` scorer and return it (`GenRMStepHook` calls
-    `judge.new_step()` per step and logs `judge.metrics()`). None unless reward.name=genrm."""
+    """On the job's event loop (`start_judge`, from `GenRMExtension.setup`): build the
+    `GenRMJudge` that `reward.genrm` describes (over `servers` from `start_judges`, dead
+    ones replaced by `replacement`, else the url), install it for the registry's `genrm`
+    scorer and return it (`GenRMStepHook` calls `judge.new_step()` per step and logs
+    `judge.metrics()`). None unless reward.name=genrm."""
     from offbeat.core.rewards import genrm
 
     if cfg.reward.name != "genrm":

@@ -1,9 +1,11 @@
 """The separate_async / sync trainer: agent loop, rollout driver, replica pool, training
-loop, critic and reference model, checkpoints and metrics."""
+loop, critic and reference model, checkpoints and metrics, and the job's one seam for
+recipes (`JobExtension`)."""
 
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop, encode_prompt
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from offbeat.core.trainer.critic import Critic
+from offbeat.core.trainer.extension import JobExtension
 from offbeat.core.trainer.hybrid import CYCLE_PHASES, HybridReplicas
 from offbeat.core.trainer.ppo import CriticAndReference
 from offbeat.core.trainer.reference import KLSettings, Reference
@@ -14,6 +16,8 @@ from offbeat.core.trainer.trainer import MODES, Trainer, TrainerSettings, build_
 from offbeat.core.trainer.validation import Validator
 
 __all__ = [  # noqa: RUF022 (grouped by concept)
+    # the one seam a recipe or a reward extends the job through (run_job's extensions)
+    "JobExtension",
     # the loop
     "MODES",
     "Trainer",

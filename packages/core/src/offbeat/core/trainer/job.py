@@ -7,6 +7,10 @@ may register it), the train engine from `TRAIN_ENGINES` under `actor.engine` (an
 critic under `critic.engine`, the reference model under `actor.engine`, when needed). Safe
 defaults: Ray starts locally with its dashboard off and binds to loopback; peak memory of
 the trainer and of every replica's process tree is reported each step.
+
+Knows no recipe and no reward by name: a recipe changes the job through `JobExtension`s
+(`offbeat.core.trainer.extension`) it passes to `run_job`, and a reward that needs more than
+a scorer declares its extension in `REWARD_EXTENSIONS`, which `run_job` asks.
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ from offbeat.core.runtime.launch import (
 from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
+from offbeat.core.trainer import extension as ext
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, start_hybrid_replicas
+from offbeat.core.trainer.extension import JobExtension
 from offbeat.core.trainer.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
@@ -387,20 +393,6 @@ def reward_registry(cfg: JobConfig) -> Any:
 
 # ---- the run -----------------------------------------------------------------------------
 @dataclass
-class JobHooks:
-    """A recipe's changes to the separate_async job (None: unchanged).
-
-    `wrap_agent(agent) -> agent`: the loop the rollout samples training groups with
-    (validation keeps the plain one). `batch_hook(batch, data) -> metrics`: see
-    `Trainer.batch_hook`. `make_validator(cfg, agent, rows) -> Validator | None`.
-    """
-
-    wrap_agent: Any = None
-    batch_hook: Any = None
-    make_validator: Any = None
-
-
-@dataclass
 class Prepared:
     """A config whose model path and dataset files are resolved to local files."""
 
@@ -451,10 +443,6 @@ def prepare(cfg: RunConfig) -> Prepared:
         model=dataclasses.replace(cfg.model, path=str(model_dir)),
         trainer=dataclasses.replace(t, total_training_steps=steps),
     )
-    if job.reward.name == "genrm":
-        from offbeat.core.rewards.genrm_replicas import resolve_judge_model
-
-        job = resolve_judge_model(job, cache_dir)
     return Prepared(
         job, model_dir, train_files, val_files, time.perf_counter() - t0, notes, cfg.model.path
     )
@@ -493,24 +481,41 @@ async def run_with_replicas(
     pools: Any = None,
     side: Any = None,
     hybrids: dict[str, Any] | None = None,
-    hooks: JobHooks | None = None,
-    judges: dict[str, Any] | None = None,
+    extensions: list[JobExtension] | tuple[JobExtension, ...] = (),
 ) -> dict[str, Any]:
-    """Build the trainer side around running `servers` and train to the end.
+    """Build the trainer side around running `servers` and train to the end; then each of
+    `extensions` reports into the summary, and all of them close (also on failure).
 
     `version_offset=None` reads the version the replicas hold (0 for fresh ones). A trainer
     group goes into `pools`' trainer pool, or into a pool of its own made here. `side`: a
     trainer already built (a two-phase start: `run_job`), closed here at the end;
-    `hybrids`: its hybrid replicas, asleep. `judges`: GenRM judge replicas (`start_judges`)
-    for `reward.name=genrm`; they sit behind a balancer of their own and never join the
-    weight sync."""
+    `hybrids`: its hybrid replicas, asleep. The extensions' replicas, if any, were started
+    by the caller (`run_job`); here they are set up once `servers` answer."""
+    exts = list(extensions)
+    try:
+        summary = await _train(p, servers, version_offset, pools, side, hybrids, exts)
+        for e in exts:
+            await e.report(summary)
+    finally:
+        await ext.close_extensions(exts)
+    return summary
+
+
+async def _train(
+    p: Prepared,
+    servers: dict[str, Any],
+    version_offset: int | None,
+    pools: Any,
+    side: Any,
+    hybrids: dict[str, Any] | None,
+    exts: list[JobExtension],
+) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.agent.loops import build_agent
     from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
     from offbeat.core.data.vision import load_processor
-    from offbeat.core.rewards.genrm_replicas import start_judge, validation_agent
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
@@ -525,7 +530,6 @@ async def run_with_replicas(
 
     t0 = time.perf_counter()
     cfg, rt = p.cfg, p.cfg.runtime
-    hooks = hooks or JobHooks()
     servers = dict(servers)
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -551,7 +555,8 @@ async def run_with_replicas(
         )
     )
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
-    judge_hook = await start_judge(cfg, judges or {}, pools)  # None unless reward.name=genrm
+    for e in exts:
+        await e.setup(p, pools)
     if version_offset is None:
         version_offset = max(int(s.weight_version) for s in servers.values())
     ready_s = time.perf_counter() - t0
@@ -585,7 +590,9 @@ async def run_with_replicas(
             p.train_files, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
             prompt_key=cfg.data.prompt_key,
         )  # fmt: skip
-        train_agent = agent if hooks.wrap_agent is None else hooks.wrap_agent(agent)
+        train_agent = agent
+        for e in exts:
+            train_agent = e.wrap_agent(train_agent)
         # rollout.replay / rollout.record: the driver's loader and agent, the trainer's hooks.
         rr = await asyncio.to_thread(
             attach, cfg, model=p.model_spec or cfg.model.path, model_dir=p.model_dir,
@@ -602,8 +609,10 @@ async def run_with_replicas(
         )  # fmt: skip
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        val_agent = validation_agent(cfg, agent)  # genrm: the rule with val_reward=task
-        validator = (hooks.make_validator or Validator.from_job)(cfg, val_agent, val_rows)
+        val_agent = agent
+        for e in exts:
+            val_agent = e.validation_agent(val_agent)
+        validator = ext.make_validator(cfg, val_agent, val_rows, exts, Validator.from_job)
         if validator is not None and cfg.agent.val_without_tools:
             validator.baselines["no_tools"] = val_agent.loop("single_turn")
         checkpoints = (
@@ -640,8 +649,8 @@ async def run_with_replicas(
             settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=memory,
             version_offset=version_offset, tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
-            step_hooks=[*rr.hooks, *([judge_hook] if judge_hook else [])],
-            batch_hook=hooks.batch_hook,
+            step_hooks=[*rr.hooks, *(h for e in exts for h in e.step_hooks())],
+            batch_hook=ext.batch_hook(exts),
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
         summary = await trainer.run()
@@ -660,8 +669,6 @@ async def run_with_replicas(
         await side.close()
         if own_pools is not None:
             own_pools.remove()
-        if judge_hook is not None:
-            await judge_hook.close()  # idempotent: the trainer closes its hooks too
     summary.update(
         {
             "run_dir": str(run_dir),
@@ -673,27 +680,29 @@ async def run_with_replicas(
             "replaced_replicas": dict(pool.replaced),
             "hybrid_events": list(hybrid.events) if hybrid is not None else [],
             "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
-            "genrm": judge_hook.summary() if judge_hook is not None else None,
             "trainer": trainer,
         }
     )
     return summary
 
 
-async def run_job(cfg: RunConfig) -> dict[str, Any]:
-    """Run `cfg` (already validated) to the end on fresh replicas (and GenRM judge
-    replicas when `reward.genrm.replicas` asks for them); shut them all down after."""
-    from offbeat.core.rewards.genrm_replicas import judge_pools, start_judges
-
+async def run_job(
+    cfg: RunConfig, extensions: list[JobExtension] | tuple[JobExtension, ...] = ()
+) -> dict[str, Any]:
+    """Run `cfg` (already validated) to the end on fresh replicas, extended by
+    `extensions` and then by the one `reward.name` declares; shut every replica down after
+    (the extensions' too)."""
     t0 = time.perf_counter()
+    exts = [*extensions, *ext.reward_extensions(cfg)]
+    cfg = await asyncio.to_thread(ext.configure, cfg, exts)  # builds, before Ray and pinning
     init_ray(cfg.runtime, num_gpus=split_gpus(cfg), log_to_driver=cfg.trainer.verbose)
     logs = announce_logs(cfg)
     pin_trainer(cfg.runtime)
     p = await asyncio.to_thread(prepare, cfg)  # the replicas load the prepared model
-    pools = await start_pools(p.cfg, extra=judge_pools(p.cfg))  # genrm: the "judge" pool
+    pools = await start_pools(p.cfg, extra=ext.extra_pools(p.cfg, exts))
     servers: dict[str, Any] = {}
     hybrids: dict[str, Any] = {}
-    judges: dict[str, Any] = {}
+    started: dict[str, Any] = {}  # the extensions' replicas
     order: list[str] = []
     try:
         side = None
@@ -713,12 +722,12 @@ async def run_job(cfg: RunConfig) -> dict[str, Any]:
         else:
             servers = start_replicas(p, pools)
         order.append("standalone")
-        judges = start_judges(p.cfg, pools)
+        ext.start_extension_replicas(p.cfg, pools, exts, started)
         summary = await run_with_replicas(
-            p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids, judges=judges
+            p, servers, version_offset=0, pools=pools, side=side, hybrids=hybrids, extensions=exts
         )
     finally:
-        await shutdown_replicas({**servers, **hybrids, **judges})
+        await shutdown_replicas({**servers, **hybrids, **started})
         pools.remove()
     summary["total_wall_s"] = time.perf_counter() - t0
     summary["start_order"] = order
