@@ -15,17 +15,9 @@ from typing import Any
 
 from offbeat.core.distill.config import TeacherConfig
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig, make_rows, write_parquet
-from offbeat.core.tasks.visual import VISUAL_TASK, make_visual_rows, mixable_visual_rows
+from offbeat.core.tasks.visual import VISUAL_TASK, make_visual_rows, task_rows
 
-__all__ = ["build_teacher", "build_teachers", "task_rows", "write_mixed_task_files"]
-
-
-def task_rows(name: str, n: int, *, seed: int, min_len: int, max_len: int) -> list[dict[str, Any]]:
-    """`n` rows of synthetic task `name`: a text task (`make_rows`) or the visual one
-    (`VISUAL_TASK`, in the layout that mixes with text rows)."""
-    if name == VISUAL_TASK:
-        return mixable_visual_rows(n, seed=seed)
-    return make_rows(name, n, seed=seed, min_len=min_len, max_len=max_len)
+__all__ = ["build_teacher", "build_teachers", "write_mixed_task_files"]
 
 
 def _rows(tasks: list[SyntheticTaskConfig], *, val: bool) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.distill.advantages import ADVANTAGES, LOSSES
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
+from offbeat.core.tasks.visual import MIXABLE_TASKS
 
 __all__ = ["DistillationConfig", "TeacherConfig", "TeacherSFTConfig", "route_keys"]
 
@@ -26,7 +27,7 @@ class TeacherSFTConfig:
     """Build the teacher locally: supervised fine-tuning of `model` on a synthetic task
     (`steps=0`: use `model` as it is). Cached like the warm start."""
 
-    task: str = ""  # a synthetic task (offbeat.core.tasks.synthetic.TASKS, or "shapes")
+    task: str = ""  # a synthetic task (offbeat.core.tasks.visual.MIXABLE_TASKS)
     min_len: int = 1
     max_len: int = 1
     n_train: int = 4000
@@ -87,9 +88,9 @@ def route_keys(cfg: Any) -> set[str] | None:
     if not cfg.data.train_files:
         if d.teacher_key != "data_source" or not d.tasks:
             return None
-        from offbeat.core.distill.build import task_rows
+        from offbeat.core.tasks.visual import task_rows
 
-        if any(t.name not in mixable_tasks() for t in d.tasks):
+        if any(t.name not in MIXABLE_TASKS for t in d.tasks):
             return None  # named by the tasks rule
         return {
             task_rows(t.name, 1, seed=0, min_len=1, max_len=1)[0]["data_source"] for t in d.tasks
@@ -117,15 +118,6 @@ def _vocab(path: str) -> tuple[Any, Any] | None:
     if (d / "tokenizer.json").is_file():
         tok = json.loads((d / "tokenizer.json").read_text()).get("model", {}).get("vocab")
     return size, tok
-
-
-def mixable_tasks() -> tuple[str, ...]:
-    """The synthetic tasks an OPD job mixes and builds teachers on: the text tasks and
-    the visual one."""
-    from offbeat.core.tasks.synthetic import TASKS
-    from offbeat.core.tasks.visual import VISUAL_TASK
-
-    return (*TASKS, VISUAL_TASK)
 
 
 def _tiny_or_dir(path: str) -> str:
@@ -165,7 +157,7 @@ def _distillation_rules(cfg: Any, p: Problems) -> None:
         p.require_int(f"{key}.replicas", t.replicas)
         p.require_int(f"{key}.tensor_parallel_size", t.tensor_parallel_size)
         if t.sft.steps and t.sft.task:
-            p.require_choice(f"{key}.sft.task", t.sft.task, mixable_tasks())
+            p.require_choice(f"{key}.sft.task", t.sft.task, MIXABLE_TASKS)
         student, teacher = _tiny_or_dir(cfg.model.path), _tiny_or_dir(t.model)
         if (student == "offbeat-tiny") != (teacher == "offbeat-tiny"):
             p.add(
@@ -196,7 +188,7 @@ def _distillation_rules(cfg: Any, p: Problems) -> None:
     if d.kl_coef < 0 or d.reward_weight < 0:
         p.add("distillation.kl_coef/reward_weight", (d.kl_coef, d.reward_weight), "numbers >= 0")
     for i, t in enumerate(d.tasks):
-        p.require_choice(f"distillation.tasks[{i}].name", t.name, mixable_tasks())
+        p.require_choice(f"distillation.tasks[{i}].name", t.name, MIXABLE_TASKS)
     keys = route_keys(cfg)
     if keys is not None and not d.default_teacher:
         orphan = sorted(keys - set(d.teachers))

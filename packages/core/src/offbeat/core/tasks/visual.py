@@ -15,12 +15,16 @@ import random
 from pathlib import Path
 from typing import Any
 
+from offbeat.core.tasks.synthetic import TASKS, make_rows, write_parquet
+
 __all__ = [
     "COLOURS",
+    "MIXABLE_TASKS",
     "QUESTIONS",
     "VISUAL_TASK",
     "make_visual_rows",
     "mixable_visual_rows",
+    "task_rows",
     "visual_image",
     "write_visual_task_files",
 ]
@@ -35,6 +39,8 @@ QUESTIONS = {"count": "How many squares?", "colour": "What colour?"}
 # the data_source its rows carry there: a teacher of that name takes them (scored by
 # exact match, registered under this name in offbeat.core.rewards.scorers).
 VISUAL_TASK = "shapes"
+# The tasks a job may mix (an OPD job's `distillation.tasks`, a teacher's build).
+MIXABLE_TASKS = (*TASKS, VISUAL_TASK)
 _GRID = 4
 
 
@@ -102,14 +108,20 @@ def mixable_visual_rows(n: int, *, seed: int = 0, size: int = 112) -> list[dict[
     return rows
 
 
+def task_rows(name: str, n: int, *, seed: int, min_len: int, max_len: int) -> list[dict[str, Any]]:
+    """`n` rows of task `name` of `MIXABLE_TASKS`: a text task (`make_rows`) or the visual
+    one in the layout that shares one parquet file with text rows (`mixable_visual_rows`)."""
+    if name == VISUAL_TASK:
+        return mixable_visual_rows(n, seed=seed)
+    return make_rows(name, n, seed=seed, min_len=min_len, max_len=max_len)
+
+
 def write_visual_task_files(
     out_dir: str | Path, *, n_train: int = 1000, n_val: int = 64, seed: int = 0, size: int = 112
 ) -> tuple[Path, Path]:
     """Write `train.parquet` and `val.parquet` (disjoint seeds) into `out_dir`, reusing
     files that hold the asked number of rows; return their paths."""
     import pyarrow.parquet as pq
-
-    from offbeat.core.tasks.synthetic import write_parquet
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
