@@ -64,6 +64,25 @@ def _track_names(events: list[dict[str, Any]]) -> dict[tuple[int, int], str]:
     }
 
 
+def _replica_spans(
+    events: list[dict[str, Any]], since_us: float
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[tuple[float, float]]]]:
+    """Per replica (its track's process name): its request lanes' "generate" spans from
+    `since_us` on, and its syncs' (start, end) in trace microseconds."""
+    names = _track_names(events)
+    generate: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    syncs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        proc, _, thread = names.get((e["pid"], e["tid"]), "").rpartition("/")
+        if e["name"] == "generate" and thread.startswith("lane") and e["ts"] >= since_us:
+            generate[proc].append(e)
+        elif thread == "sync" and e["name"].startswith("sync v"):
+            syncs[proc].append((e["ts"], e["ts"] + e["dur"]))
+    return generate, syncs
+
+
 def rollout_curve_from_trace(
     events: list[dict[str, Any]], since_us: float = 0.0
 ) -> tuple[list[float], list[float]]:
@@ -73,18 +92,7 @@ def rollout_curve_from_trace(
     many sequences it had in flight (powers of two) and each bin's rate is its tokens
     over its seconds. Only spans starting at `since_us` or later count (the job's steps,
     not the validation before them, whose requests share the replica)."""
-    names = _track_names(events)
-    by_replica: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    syncs: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        track = names.get((e["pid"], e["tid"]), "")
-        proc, _, thread = track.rpartition("/")
-        if e["name"] == "generate" and thread.startswith("lane") and e["ts"] >= since_us:
-            by_replica[proc].append(e)
-        elif thread == "sync" and e["name"].startswith("sync v"):
-            syncs[proc].append((e["ts"], e["ts"] + e["dur"]))
+    by_replica, syncs = _replica_spans(events, since_us)
     tokens: dict[int, float] = defaultdict(float)
     seconds: dict[int, float] = defaultdict(float)
     for replica, spans in by_replica.items():
@@ -262,18 +270,11 @@ def busy_intervals_from_trace(
     """(start, end) seconds on the trace's clock while the first replica (by track name)
     had a request in flight (its "generate" lane spans from `since_us` on), its syncs
     left out."""
-    names = _track_names(events)
-    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    syncs: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        proc, _, thread = names.get((e["pid"], e["tid"]), "").rpartition("/")
-        span = (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-        if e["name"] == "generate" and thread.startswith("lane") and e["ts"] >= since_us:
-            spans[proc].append(span)
-        elif thread == "sync" and e["name"].startswith("sync v"):
-            syncs[proc].append(span)
+    events_of, sync_us = _replica_spans(events, since_us)
+    spans = {
+        r: [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in es] for r, es in events_of.items()
+    }
+    syncs = {r: [(a / 1e6, b / 1e6) for a, b in ws] for r, ws in sync_us.items()}
     if not spans:
         return []
     first = min(spans)
