@@ -209,11 +209,19 @@ def wait_for_prebuild(targets, timeout_s: float = PREBUILD_WAIT_S) -> dict[str, 
     out: dict[str, str | None] = {}
     for target in targets:
         pid_file, done = d / f"{target}.pid", d / f"{target}.done"
+        def result(done=done) -> str | None:  # an empty file is one still being written
+            try:
+                return done.read_text().strip() or None
+            except FileNotFoundError:
+                return None
+
         if pid_file.exists():
             pid = int(pid_file.read_text())
-            while not done.exists() and _alive(pid) and time.monotonic() < deadline:
+            while result() is None and _alive(pid) and time.monotonic() < deadline:
                 time.sleep(1)
-        out[target] = done.read_text().strip() if done.exists() else None
+            if result() is None:  # the builder just ended: its last write may still land
+                time.sleep(0.5)
+        out[target] = result()
     return out
 
 

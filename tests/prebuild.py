@@ -68,7 +68,10 @@ def main(root: Path, target: str) -> int:
         traceback.print_exc()
         rc = 1
     finally:
-        (out / f"{target}.done").write_text(f"{rc}\n")
+        # written whole, then renamed: a waiter never reads a half-written (empty) file
+        tmp = out / f"{target}.done.tmp"
+        tmp.write_text(f"{rc}\n")
+        os.replace(tmp, out / f"{target}.done")
     return rc
 
 

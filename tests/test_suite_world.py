@@ -179,6 +179,7 @@ def test_a_background_build_is_waited_for_and_its_result_read(tmp_path, monkeypa
     (d / "tools.pid").write_text(str(dead.pid))  # ended without writing done: not waited for
     import threading
 
+    (d / "judge.done").write_text("")  # created, not yet written: still building
     threading.Timer(1.0, lambda: (d / "judge.done").write_text("0\n")).start()
     got = c.wait_for_prebuild(["judge", "tools", "never-started"], timeout_s=30)
     sleeper.wait()
