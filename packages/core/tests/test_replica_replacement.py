@@ -156,6 +156,34 @@ async def test_a_sync_that_loses_its_only_replica_raises_once_replacements_give_
     assert len(starts.calls) == 2 and "s0" in pool.gave_up
 
 
+async def test_a_replica_failing_a_sync_is_removed_for_what_its_health_probe_says(sleeps):
+    """A replica whose engine died while nothing was generating fails the sync first (its
+    receiver never connects): the probe after the sync names the cause; a live replica
+    that failed the sync keeps the sync's reason."""
+    s0, s1 = FakeServer("s0"), FakeServer("s1")
+    pool = ReplicaPool(
+        {"s0": s0, "s1": s1}, AsyncLoadBalancer({"s0": s0, "s1": s1}),
+        CheckpointEngineManager("naive"), health_timeout_s=2,
+    )  # fmt: skip
+    real_sync = pool.manager.sync
+
+    async def sync_without_two_receivers(named_tensors, version, targets):
+        s1.dead = True  # dies during the transfer: the sync only sees a receiver missing
+        result = await real_sync(named_tensors, version, targets={"s2": targets["s0"]})
+        result.failed = {n: f"transfer: receiver {k} did not connect within 150.0s"
+                         for k, n in enumerate(["s0", "s1"])}  # fmt: skip
+        return result
+
+    pool.manager.sync = sync_without_two_receivers
+    with pytest.raises(replicas_module.NoReplicasLeft):
+        await pool.sync(weights, 1)
+    assert pool.removed["s0"] == "transfer: receiver 0 did not connect within 150.0s"
+    assert pool.removed["s1"] == (
+        "health check: ConnectionError: s1 is dead "
+        "(the sync: transfer: receiver 1 did not connect within 150.0s)"
+    )
+
+
 async def test_zero_attempts_only_removes(sleeps):
     starts = Starts()
     s0, _, pool = make_pool(starts, attempts=0)

@@ -274,7 +274,7 @@ class ReplicaPool:
                     self._failed_to_join(i, joiners[i], failed.pop(i))
                 await self._add(self._joined(result, joiners))
             if failed:
-                await self._remove(list(failed), failed)
+                await self._remove(list(failed), await self._diagnosed(failed, targets))
             # Every replica was lost in this sync (it failed it, or a health check removed
             # it meanwhile) but a replacement is on its way: wait for it and bring it to
             # `version` now. Otherwise the trainer goes on with no replica at all, and what
@@ -313,6 +313,23 @@ class ReplicaPool:
             await refresh()
         else:
             _ = server.weight_version
+
+    async def _diagnosed(self, failed: Mapping[str, str], targets: Mapping[str, Any]) -> dict[str, str]:
+        """Why each replica that failed a sync is removed: a replica whose engine died
+        while nothing was generating fails the sync first (its receiver never connects,
+        and the sync only knows that); a health probe then names the cause (e.g.
+        EngineDeadError), the sync's reason beside it. A replica that answers the probe
+        keeps the sync's reason."""
+        ids = [i for i in failed if i in targets]
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(self._probe(targets[i]), self.health_timeout_s) for i in ids),
+            return_exceptions=True,
+        )
+        why = dict(failed)
+        for i, o in zip(ids, outcomes, strict=True):
+            if isinstance(o, BaseException):
+                why[i] = f"health check: {type(o).__name__}: {o} (the sync: {failed[i]})"
+        return why
 
     async def check_health(self) -> list[str]:
         """Probe every replica and guest; remove (and replace) and return the ones that do
