@@ -123,8 +123,10 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    if any(_needs_prebuild(item) for item in session.items):
-        _start_prebuild()
+    needed = {t for item in session.items if _needs_prebuild(item)
+              for t in item.get_closest_marker("prebuilt").args}  # fmt: skip
+    if needed:
+        _start_prebuild(needed)
 
 
 # ---- the recipes' builds, in the background while the units run ----------------------------
@@ -158,8 +160,9 @@ def session_order(items) -> None:
     items.sort(key=rank)
 
 
-def _start_prebuild() -> None:
-    """Start tests/prebuild.py, one process per target, once per cache (the first xdist
+def _start_prebuild(needed: set[str]) -> None:
+    """Start tests/prebuild.py, one process per target of `needed` (what the session's
+    selected tests wait for), once per cache (the first xdist
     worker to get here wins: `mkdir` is atomic); a warm cache they find built costs seconds.
     At nice 19: Ray starts its workers (the e2e tests' trainer ranks and replicas) at nice
     15, and builds at any higher priority starved them (a run at nice 5 took the e2e tier
@@ -176,7 +179,11 @@ def _start_prebuild() -> None:
         d.mkdir(parents=True)
     except FileExistsError:
         return
-    for target in prebuild.TARGETS:
+    unknown = needed - set(prebuild.TARGETS)
+    if unknown:
+        raise pytest.UsageError(f"@pytest.mark.prebuilt: no target {sorted(unknown)}; "
+                                f"targets: {', '.join(prebuild.TARGETS)}")  # fmt: skip
+    for target in (t for t in prebuild.TARGETS if t in needed):
         log = (d / f"{target}.log").open("w")
         proc = subprocess.Popen(
             [sys.executable, str(script), str(d.parent), target],
@@ -209,6 +216,7 @@ def wait_for_prebuild(targets, timeout_s: float = PREBUILD_WAIT_S) -> dict[str, 
     out: dict[str, str | None] = {}
     for target in targets:
         pid_file, done = d / f"{target}.pid", d / f"{target}.done"
+
         def result(done=done) -> str | None:  # an empty file is one still being written
             try:
                 return done.read_text().strip() or None

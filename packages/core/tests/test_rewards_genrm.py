@@ -135,6 +135,15 @@ def test_weights_mix_with_rule_reward_and_agreement_is_measured():
     assert run(judge.score("q", "a", data_source="mixed", rule_reward=0.0)) == 0.5
     assert run(judge.score("q", "b", data_source="other", rule_reward=1.0)) == 1.0
     assert judge.metrics()["genrm/agreement_with_rule"] == 0.5
+    assert judge.metrics()["genrm/agreement_on_right"] == 1.0  # the one right answer: "10"
+
+
+def test_a_judge_saying_wrong_to_all_agrees_with_the_rule_on_no_right_answer():
+    judge = GenRMJudge(GenRMConfig(url="http://j"), post=FakeJudge(lambda p: "0"))
+    for i, rule in enumerate([0.0, 0.0, 0.0, 1.0]):
+        run(judge.score("q", str(i), data_source="d", rule_reward=rule))
+    m = judge.metrics()
+    assert m["genrm/agreement_with_rule"] == 0.75 and m["genrm/agreement_on_right"] == 0.0
 
 
 def test_validation_names_key_value_expected():

@@ -200,6 +200,10 @@ class GenRMJudge:
         self._agree: list[bool] = []
         self._scores: list[float] = []  # every scored response (cache hits too)
         self._rules: list[float] = []
+        # On the answers the rule scores right: did the judge too? (A judge that says
+        # "wrong" to everything agrees with the rule on every wrong answer, and here on
+        # none: with few right answers the agreement alone hides it.)
+        self._right: list[bool] = []
         self._t0 = time.monotonic()
 
     async def _call(self, prompt: str) -> str:
@@ -255,6 +259,8 @@ class GenRMJudge:
         if rule_reward is not None:
             self._rules.append(rule_reward)
             self._agree.append((judged >= 0.5) == (rule_reward >= 0.5))
+            if rule_reward >= 0.5:
+                self._right.append(judged >= 0.5)
         w = self.cfg.weights.get(data_source, 1.0)
         if rule_reward is None or w >= 1.0:
             return judged
@@ -286,6 +292,8 @@ class GenRMJudge:
         if self._agree:
             out["genrm/agreement_with_rule"] = sum(self._agree) / len(self._agree)
             out["genrm/rule_reward_mean"] = sum(self._rules) / len(self._rules)
+        if self._right:
+            out["genrm/agreement_on_right"] = sum(self._right) / len(self._right)
         return out
 
 

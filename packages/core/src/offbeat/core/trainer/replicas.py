@@ -314,7 +314,9 @@ class ReplicaPool:
         else:
             _ = server.weight_version
 
-    async def _diagnosed(self, failed: Mapping[str, str], targets: Mapping[str, Any]) -> dict[str, str]:
+    async def _diagnosed(
+        self, failed: Mapping[str, str], targets: Mapping[str, Any]
+    ) -> dict[str, str]:
         """Why each replica that failed a sync is removed: a replica whose engine died
         while nothing was generating fails the sync first (its receiver never connects,
         and the sync only knows that); a health probe then names the cause (e.g.
