@@ -295,8 +295,10 @@ def test_trainer_actors_are_its_ranks_the_separate_critic_and_reference_ranks_an
         "replica rollout-0": a,
         "replica guest-0": g, "replica hybrid-0": hy,
     }  # fmt: skip
-    local = NS(engine=object(), pool=NS(servers={"s0": object()}, guests={}), hybrid=None)
-    assert trainer_actors(local) == {}  # an engine in this process, fake replicas
+    group = TrainerGroup.around(FakeEngine())  # the trainer in the driver
+    local = NS(engine=group, pool=NS(servers={"s0": object()}, guests={}), hybrid=None)
+    assert trainer_actors(local) == {}  # its rank is this process, fake replicas
+    group.shutdown()
 
 
 # ---- the training loop on fakes ---------------------------------------------------------

@@ -338,7 +338,12 @@ class TrainerGroup:
         return split_by_tokens(tokens, self.dp_size)
 
     async def _scatter(self, method: str, data: dict[str, Any], *args: Any) -> tuple[list, list]:
-        """Every rank's `method` on its token-balanced shard of `data`: (rows, results)."""
+        """Every rank's `method` on its token-balanced shard of `data`: (rows, results).
+        One rank takes `data` itself (no copy of its rows)."""
+        if self.dp_size == 1:
+            rows = data["attention_mask"].shape[0]
+            ref = getattr(self.handles[0], method).remote(data, *args)
+            return [list(range(rows))], await self._all(method, [ref])
         parts = self._shards(data)
         refs = [
             getattr(h, method).remote(_rows(data, part), *args)
@@ -347,8 +352,11 @@ class TrainerGroup:
         return parts, await self._all(method, refs)
 
     async def _per_row(self, method: str, data: dict[str, Any], *args: Any) -> torch.Tensor:
-        """`method`'s [rows, R] answer for `data`, each rank's rows put back in order."""
+        """`method`'s [rows, R] answer for `data`, each rank's rows put back in order (one
+        rank's answer as it is)."""
         parts, shards = await self._scatter(method, data, *args)
+        if self.dp_size == 1:
+            return shards[0]
         return gather_rows(parts, shards, data["response_mask"].shape[0])
 
     async def update(self, mini_batch: dict[str, Any], temperature: float | None = None) -> dict:
