@@ -59,8 +59,6 @@ def _device_setter():
     if kind == "cpu":
         return None
     module = torch.get_device_module(kind)
-    if not module.is_initialized():
-        return None  # nothing chosen yet: the threads start where torch starts them
     index = module.current_device()
     return lambda: module.set_device(index)
 
