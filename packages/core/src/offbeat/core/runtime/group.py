@@ -214,7 +214,9 @@ class TrainerGroup:
         return group
 
     @classmethod
-    def around(cls, engine: Any = None, *, critic: Any = None, reference: Any = None):
+    def around(
+        cls, engine: Any = None, *, critic: Any = None, reference: Any = None
+    ) -> TrainerGroup:
         """A one-rank group in this process around engines built already (any
         `TrainEngine`; a critic and/or a reference engine), e.g. a test's fake or an
         engine a script made itself. Its roles are the engines given."""

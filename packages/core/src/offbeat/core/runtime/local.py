@@ -59,6 +59,10 @@ def _device_setter():
     if kind == "cpu":
         return None
     module = torch.get_device_module(kind)
+    if not module.is_initialized():
+        # Nothing chose a device (`set_device` initialises the device's runtime): the
+        # threads start where torch starts them, and a CPU job leaves it untouched.
+        return None
     index = module.current_device()
     return lambda: module.set_device(index)
 
