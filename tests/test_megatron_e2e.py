@@ -129,7 +129,8 @@ def test_separate_async_trains_with_the_megatron_engine(tmp_path, ray_session):
         # the replica's weights are Megatron's export of its last update (converted to HF
         # names and layouts, sent through the checkpoint engine) or they are not.
         replica = replica_log_probs(servers["rollout-0"], probe)
-        megatron = summary["trainer"].engine.compute_log_probs(probe, temperature=1.0)
+        engine = summary["trainer"].engine.local_rank.engine  # the rank in the driver
+        megatron = engine.compute_log_probs(probe, temperature=1.0)
         initial = hf_log_probs(prepared.model_dir, probe)  # model.path: no warm start here
     finally:
         asyncio.run(shutdown_replicas(servers))
@@ -138,8 +139,8 @@ def test_separate_async_trains_with_the_megatron_engine(tmp_path, ray_session):
         if not had_group and dist.is_initialized():
             dist.destroy_process_group()
     trainer = summary["trainer"]
-    assert isinstance(trainer.engine, MegatronTrainEngine)
-    assert trainer.engine.global_update_count == STEPS * 2  # parameter_sync_step updates a step
+    assert trainer.engine.dp_size == 1 and isinstance(engine, MegatronTrainEngine)
+    assert engine.global_update_count == STEPS * 2  # parameter_sync_step updates a step
     lines = Path(summary["metrics"]).read_text().splitlines()
     rows = [json.loads(x) for x in lines if "actor/loss" in x]
     assert len(rows) == STEPS

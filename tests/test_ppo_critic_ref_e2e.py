@@ -152,9 +152,12 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     # learned, so the trained critic's error on that old batch may even be larger.)
     trainer = summary["trainer"]
     done = trainer.critic_ref
+    # The trainer ran in the driver, the critic and the reference on its one local rank:
+    # their engines, read here after the run (the group's proxies went with its loop).
+    rank = trainer.engine.local_rank
     first = critic_batches[0]
     mask = first["response_mask"]
-    after = done.critic.engine.compute_values(
+    after = rank.critic.compute_values(
         {k: first[k] for k in ("input_ids", "attention_mask", "response_mask")}
     )
     ev_before = explained_variance(first["values"], first["returns"], mask)
@@ -192,22 +195,22 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     temperature = done.reference.temperature
     initial_policy = actor.compute_log_probs(probe, temperature)  # before loading: model.path
     assert not torch.allclose(
-        fresh.critic.engine.compute_values(probe), done.critic.engine.compute_values(probe)
+        fresh.critic.engine.compute_values(probe), rank.critic.compute_values(probe)
     )  # before loading: the critic trained away from its start
     state = ckpt.load(path, actor, others=fresh.engines())
     trained_policy = actor.compute_log_probs(probe, temperature)
     fresh.load_state(state["critic_ref"])
     torch.testing.assert_close(
-        fresh.critic.engine.compute_values(probe), done.critic.engine.compute_values(probe),
+        fresh.critic.engine.compute_values(probe), rank.critic.compute_values(probe),
         atol=0, rtol=0,
     )  # fmt: skip
-    assert fresh.critic.engine.global_update_count == done.critic.engine.global_update_count
-    assert fresh.critic.engine.lr == done.critic.engine.lr
+    assert fresh.critic.engine.global_update_count == rank.critic.global_update_count
+    assert fresh.critic.engine.lr == rank.critic.lr
     assert fresh.reference.controller.value == done.reference.controller.value != 0.01
     # The reference is not in the checkpoint: it is rebuilt from model.path, and the
     # checkpoint holds the fingerprint of the run's reference weights, which loading checks.
     # The run's reference stayed the initial policy all along (not the trained actor):
-    ref_lp = done.reference.log_probs(probe)
+    ref_lp = rank.reference.compute_log_probs(probe, temperature)
     torch.testing.assert_close(ref_lp, initial_policy)  # (engines batch differently)
     assert (ref_lp - trained_policy).abs().max() > 1e-3, "the actor never moved from its start"
     # the saved fingerprint is the run's reference's, and the rebuilt one matches it ...
@@ -236,8 +239,11 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     assert rows2[0]["actor/kl_coef"] == pytest.approx(done.reference.controller.value)
     # the resumed run's reference: rebuilt from model.path, checked against the checkpoint
     reference2 = summary2["trainer"].critic_ref.reference
+    rank2 = summary2["trainer"].engine.local_rank
     assert reference2.fingerprint == pytest.approx(saved["fingerprint"], rel=1e-9)
-    torch.testing.assert_close(reference2.log_probs(probe), ref_lp, atol=0, rtol=0)
-    critic2 = summary2["trainer"].critic_ref.critic.engine
+    torch.testing.assert_close(
+        rank2.reference.compute_log_probs(probe, temperature), ref_lp, atol=0, rtol=0
+    )
+    critic2 = rank2.critic
     per_step = cfg.async_training.parameter_sync_step * cfg.critic.ppo_epochs
     assert critic2.global_update_count == RESUMED_STEPS * per_step

@@ -81,7 +81,8 @@ def run(world, name: str, *extra: str) -> dict:
 
 
 def weights(summary) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in summary["trainer"].engine.export_weights()}
+    engine = summary["trainer"].engine.local_rank.engine  # the trainer's rank, in the driver
+    return {n: t.detach().clone() for n, t in engine.export_weights()}
 
 
 def rows(summary) -> list[dict]:

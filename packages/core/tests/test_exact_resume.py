@@ -23,6 +23,7 @@ from trainer_fakes import FakeEngine, Harness
 
 from offbeat.core.buffer import PromptDuplicated
 from offbeat.core.models import build_tiny_model
+from offbeat.core.runtime import TrainerRankFailed
 from offbeat.core.tasks import PromptDataLoader, make_rows
 from offbeat.core.train import FSDP2Config, FSDP2TrainEngine, OptimConfig, PPOLoss, PPOLossConfig
 
@@ -41,7 +42,7 @@ def killing(engine_cls: type, kill_update: int | None) -> type:
     class Engine(engine_cls):
         calls = 0
 
-        def update(self, mini_batch):
+        def update(self, mini_batch, temperature=None):
             type(self).calls += 1
             if kill_update is not None and type(self).calls == kill_update:
                 raise Killed(f"killed at update {kill_update}")
@@ -101,7 +102,7 @@ async def test_separate_async_killed_mid_step_resumes_the_data_order_and_loses_n
         await save()
 
     h1.trainer._save = save_once_one_finished
-    with pytest.raises(Killed):
+    with pytest.raises(TrainerRankFailed, match="Killed: killed at update"):
         await h1.run()
     (last, ckpt), *_ = reversed(h1.checkpoints.complete())
     assert last == KILL_STEP - 1
@@ -219,7 +220,7 @@ async def test_a_resume_whose_sampler_is_not_restored_stops_on_a_duplicated_prom
     """The feature broken on purpose: the buffer (and its ledger) restored, the sampler
     left at the start of the stream. The first prompt it hands out again is named."""
     h1 = harness(tmp_path, engine=killing(FakeEngine, 2 * (KILL_STEP - 1) + 1)())
-    with pytest.raises(Killed):
+    with pytest.raises(TrainerRankFailed, match="Killed: killed at update"):
         await h1.run()
     h2 = harness(tmp_path, resume=True)
     monkeypatch.setattr(h2.loader, "load_state_dict", lambda state: None)
@@ -269,7 +270,7 @@ async def test_sync_mode_killed_mid_step_resumes_onto_the_same_weights(tmp_path,
     await h0.run()
     tmp = tmp_path / "killed"
     h1 = run(tmp, fsdp2(model_dir, kill_update=2 * (KILL_STEP - 1) + 1))
-    with pytest.raises(Killed):
+    with pytest.raises(TrainerRankFailed, match="Killed: killed at update"):
         await h1.run()
     h2 = run(tmp, fsdp2(model_dir), resume=True)
     await h2.run()

@@ -14,9 +14,9 @@ import pytest
 import torch
 from trainer_fakes import FakeEngine, FakeServer, FakeTokenizer
 
-from offbeat.ckpt_engine import CheckpointEngineManager
 from offbeat.core.cli import load_recipe_config
 from offbeat.core.registry import REWARD_EXTENSIONS
+from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerSide
 from offbeat.core.tasks import make_rows, write_parquet
 from offbeat.core.trainer import extension as ext
 from offbeat.core.trainer import job
@@ -119,16 +119,11 @@ def faked_job(tmp_path, monkeypatch):
         pools.extra = list(extra)
         return pools
 
-    async def no_op():
-        return None
-
     async def shutdown(servers):
         shut.extend(servers)
 
-    side = SimpleNamespace(
-        engine=FakeEngine(), manager=CheckpointEngineManager("naive", phase_timeout_s=10),
-        critic_engine=None, reference_engine=None, close=no_op,
-    )  # fmt: skip
+    group = TrainerGroup.around(FakeEngine())  # the trainer in the driver
+    side = TrainerSide(group, GroupCheckpointEngine(group, "naive", phase_timeout_s=10))
     prepared = job.Prepared(cfg, tmp_path, [str(train)], [str(val)], 0.0)
     for name, value in {
         "init_ray": lambda *a, **k: None, "announce_logs": lambda cfg: None,

@@ -208,7 +208,7 @@ class DriftEngine(FakeEngine):
         super().__init__()
         self.masks: list[torch.Tensor | None] = []
 
-    def update(self, mini_batch):
+    def update(self, mini_batch, temperature=None):
         mask = mini_batch.get(DRIFT_MASK)
         self.masks.append(None if mask is None else mask.clone())
         out = super().update(mini_batch)

@@ -252,10 +252,10 @@ async def test_a_run_that_loses_its_only_replica_is_replaced_and_keeps_its_accou
     else:
         real_update = h.engine.update
 
-        def update_while_it_dies(mini_batch):
+        def update_while_it_dies(mini_batch, temperature=None):
             if h.trainer.step == 2 and not s0.dead:
                 die()
-            return real_update(mini_batch)
+            return real_update(mini_batch, temperature)
 
         h.engine.update = update_while_it_dies
         summary = await h.run()
@@ -327,14 +327,14 @@ async def test_a_validation_whose_replica_dies_after_the_update_is_abandoned_not
                 replacement=Replacement(starts, attempts=3, backoff_s=0.01))  # fmt: skip
     s0 = h.servers["s0"]
     s0.hold = lambda rid: rid.startswith("v1-") and not s0.dead  # in flight until it dies
-    real_update = h.engine.update
+    real_update, loop = h.engine.update, asyncio.get_running_loop()
 
-    async def update_while_it_dies(mini_batch):
+    def update_while_it_dies(mini_batch, temperature=None):  # on the trainer rank's thread
         if h.trainer.step == 2 and not s0.dead:
             assert h.trainer._val_task.get_name() == "validation-v1"  # under way
             s0.dead = True
-            await h.pool.check_health()
-        return real_update(mini_batch)
+            asyncio.run_coroutine_threadsafe(h.pool.check_health(), loop).result(30)
+        return real_update(mini_batch, temperature)
 
     h.engine.update = update_while_it_dies
     summary = await h.run()

@@ -63,9 +63,9 @@ class Capturing:
         self.inputs: list[dict[str, torch.Tensor]] = []
         self.params: list[dict[str, torch.Tensor]] = []
 
-    def update(self, mini_batch):
+    def update(self, mini_batch, temperature=None):
         self.inputs.append({k: v.clone() for k, v in mini_batch.items()})
-        out = self.engine.update(mini_batch)
+        out = self.engine.update(mini_batch, temperature)
         self.params.append({n: t.clone() for n, t in self.engine.export_weights()})
         return out
 

@@ -20,6 +20,7 @@ from trainer_fakes import FakeEngine, FakeServer, Harness
 from offbeat.core import progress
 from offbeat.core.progress import Progress
 from offbeat.core.rewards import register_reward
+from offbeat.core.runtime import TrainerGroup
 from offbeat.core.tasks import make_rows
 from offbeat.core.trainer.replicas import Replacement
 from offbeat.core.trainer.watchdog import (
@@ -294,8 +295,10 @@ def test_trainer_actors_are_its_ranks_the_separate_critic_and_reference_ranks_an
         "replica rollout-0": a,
         "replica guest-0": g, "replica hybrid-0": hy,
     }  # fmt: skip
-    local = NS(engine=object(), pool=NS(servers={"s0": object()}, guests={}), hybrid=None)
-    assert trainer_actors(local) == {}  # an engine in this process, fake replicas
+    group = TrainerGroup.around(FakeEngine())  # the trainer in the driver
+    local = NS(engine=group, pool=NS(servers={"s0": object()}, guests={}), hybrid=None)
+    assert trainer_actors(local) == {}  # its rank is this process, fake replicas
+    group.shutdown()
 
 
 # ---- the training loop on fakes ---------------------------------------------------------
@@ -352,7 +355,7 @@ class HangsInUpdate(FakeEngine):
         self.hang_at = hang_at
         self.release = threading.Event()
 
-    def update(self, mini_batch):
+    def update(self, mini_batch, temperature=None):
         if self.updates + 1 == self.hang_at:
             self.release.wait(120)
         return super().update(mini_batch)
@@ -448,12 +451,13 @@ async def test_a_checkpoint_save_longer_than_the_timeout_does_not_trip_it(tmp_pa
     assert not list((tmp_path / "logs" / "logs").glob("stall-*.txt"))
 
 
-class SwallowsOneCancel(FakeEngine):
-    """An async update that hangs and swallows the first cancellation, then hangs again."""
+class SwallowsOneCancel(TrainerGroup):
+    """A trainer group whose update hangs and swallows the first cancellation, then hangs
+    again."""
 
     swallowed = 0
 
-    async def update(self, mini_batch):
+    async def update(self, mini_batch, temperature=None):
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -463,10 +467,13 @@ class SwallowsOneCancel(FakeEngine):
 
 async def test_a_cancellation_swallowed_on_its_way_is_sent_again(tmp_path, monkeypatch):
     monkeypatch.setattr(StallWatchdog, "recancel_s", 0.5)
-    engine = SwallowsOneCancel()
-    h = Harness(tmp_path, engine=engine, stall_timeout_s=STALL_S)
-    err, _ = await run_until_stall(h)
-    assert err.stage == "update" and engine.swallowed == 1
+    group = SwallowsOneCancel.around(FakeEngine())
+    h = Harness(tmp_path, engine=group, stall_timeout_s=STALL_S)
+    try:
+        err, _ = await run_until_stall(h)
+    finally:
+        group.shutdown()
+    assert err.stage == "update" and group.swallowed == 1
 
 
 class SlowStart:
@@ -487,10 +494,10 @@ async def test_a_replica_replacement_longer_than_the_timeout_does_not_trip_it(tm
     h = Harness(tmp_path, total_training_steps=3, stall_timeout_s=STALL_S, replacement=start)
     s0, real_update = h.servers["s0"], h.engine.update
 
-    def update(mini_batch):
+    def update(mini_batch, temperature=None):
         if h.trainer.step == 2:
             s0.dead = True
-        return real_update(mini_batch)
+        return real_update(mini_batch, temperature)
 
     h.engine.update = update
     summary = await h.run()

@@ -1,7 +1,9 @@
 """Fakes for the training-loop tests: a rollout server (RolloutServer + SyncTarget that
 really receives weights through the ckpt engine's `naive` backend), a train engine, a
 tokenizer, and a `Harness` that wires them to the real buffer, agent loop,
-PartialRolloutClient, AsyncLoadBalancer, CheckpointEngineManager and Trainer."""
+PartialRolloutClient, AsyncLoadBalancer, checkpoint engine and Trainer. The trainer
+drives the fake engine as a job drives one in the driver: the one rank of a local
+`TrainerGroup`, synced by a `GroupCheckpointEngine`."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from pathlib import Path
 import torch
 
 from offbeat.balancer.aio import AsyncLoadBalancer
-from offbeat.ckpt_engine import CheckpointEngineManager, ReceiveSpec, receive
+from offbeat.ckpt_engine import ReceiveSpec, receive
 from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
 from offbeat.core.rewards import RewardRegistry
 from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig, TokenOutput
+from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup
 from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet
 from offbeat.core.trainer import (
     CheckpointManager,
@@ -186,7 +189,7 @@ class FakeEngine:
         self.recomputed.append(out.clone())
         return out
 
-    def update(self, mini_batch):
+    def update(self, mini_batch, temperature=None):
         self.updates += 1
         self.batches.append(mini_batch)
         self.w += 1.0
@@ -240,7 +243,9 @@ def make_settings(**kw) -> TrainerSettings:
 
 class Harness:
     """`max_failures`: the rollout's limit of groups failing in a row (None: no limit).
-    `wrap_agent(agent)`: replace the agent loop (e.g. by a fake that fails groups)."""
+    `wrap_agent(agent)`: replace the agent loop (e.g. by a fake that fails groups).
+    `engine`: a fake train engine (`self.engine`; the trainer drives `self.group`, a local
+    group around it) or a `TrainerGroup` (both are it; set `pool.manager` to match)."""
 
     def __init__(self, tmp: Path, *, servers=1, threshold=2, strategy="drop", warmup=1,
                  max_tokens=16, engine=None, rows=None, tick_s=0.0005, max_failures=None, tracer=None,
@@ -256,7 +261,10 @@ class Harness:
         self.client = PartialRolloutClient(
             self.balancer, PartialRolloutConfig(max_tokens=max_tokens)
         )
-        self.manager = CheckpointEngineManager("naive", phase_timeout_s=10)
+        self.engine = engine or FakeEngine()
+        self.own_group = not isinstance(self.engine, TrainerGroup)
+        self.group = TrainerGroup.around(self.engine) if self.own_group else self.engine
+        self.manager = GroupCheckpointEngine(self.group, "naive", phase_timeout_s=10)
         depth_warmup = 0 if self.settings.mode == "sync" else warmup
         self.buffer = RecordingBuffer(
             BufferConfig(self.settings.train_batch_size, threshold, strategy, depth_warmup)
@@ -274,18 +282,17 @@ class Harness:
             max_consecutive_failures=max_failures,
         )  # fmt: skip
         self.pool.on_pause = self.driver.clock.pause
-        self.engine = engine or FakeEngine()
         self.hybrid_servers = {f"h{i}": FakeServer(f"h{i}", tick_s) for i in range(hybrids)}
         self.hybrid = None
         if hybrids:
+            manager = GroupCheckpointEngine(self.group, "naive", phase_timeout_s=10, slot="hybrid")
             self.hybrid = HybridReplicas(
-                self.hybrid_servers, self.pool, CheckpointEngineManager("naive", phase_timeout_s=10),
-                client=self.client, phase_timeout_s=10,
+                self.hybrid_servers, self.pool, manager, client=self.client, phase_timeout_s=10,
             )  # fmt: skip
         self.tracker = MetricsTracker(tmp / "logs", ("jsonl",), progress=False)
         self.checkpoints = CheckpointManager(tmp / "ckpt")
         self.trainer = Trainer(
-            self.settings, engine=self.engine, buffer=self.buffer, driver=self.driver,
+            self.settings, engine=self.group, buffer=self.buffer, driver=self.driver,
             pool=self.pool, tracker=self.tracker, checkpoints=self.checkpoints,
             validator=Validator(self.agent, make_rows("reverse", 4, seed=99)), tracer=tracer,
             hybrid=self.hybrid,
@@ -296,6 +303,11 @@ class Harness:
             return await asyncio.wait_for(self.trainer.run(), 60)
         finally:
             self.tracker.close()
+            if self.own_group:  # its rank's threads and backends go; the fake stays
+                await self.manager.aclose()
+                if self.hybrid is not None:
+                    await self.hybrid.manager.aclose()
+                self.group.shutdown()
 
     def rows(self):
         lines = (self.tmp / "logs" / "metrics.jsonl").read_text().splitlines()

@@ -1,6 +1,7 @@
 """The distributed runtime: resource pools on Ray placement groups, the trainer as a
 worker group of data-parallel rank actors (with the critic and the reference policy on
-the same ranks when the job has them), and weight sync from that group."""
+the same ranks when the job has them) or of one rank in the driver, and weight sync
+from that group."""
 
 from offbeat.core.runtime.engines import GroupCriticEngine, GroupReferenceEngine
 from offbeat.core.runtime.group import (
@@ -21,6 +22,7 @@ from offbeat.core.runtime.launch import (
     start_trainer,
     trainer_in_driver,
 )
+from offbeat.core.runtime.local import LocalRank, LocalRef
 from offbeat.core.runtime.pools import (
     DEVICE_RESOURCES,
     PlacementError,
@@ -49,6 +51,8 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     "TrainerRank",
     "TrainerRankFailed",
     "ROLES",
+    "LocalRank",
+    "LocalRef",
     "gather_rows",
     "merge_rank_metrics",
     "split_by_tokens",

@@ -36,8 +36,9 @@ class RuntimeConfig:
     # bundles each hold half of it; the two engines take that share each).
     # resources still count the trainer's device: devices_per_node=2 with one GPU.
     share_trainer_gpu: bool = False
-    # The trainer: null (auto) runs one rank on a local one-node Ray in this process (no
-    # actor); otherwise resources.trainer_devices rank actors on the trainer pool.
+    # The trainer: null (auto) runs one rank on a local one-node Ray in this process (a
+    # local one-rank group: no actor, no pool bundle); otherwise resources.trainer_devices
+    # rank actors on the trainer pool. Either way the loop drives a TrainerGroup.
     trainer_in_driver: bool | None = None
     trainer_num_cpus: float = 1.0  # Ray CPUs per trainer rank (its pool bundle)
     # Extra custom Ray resources each bundle of a pool asks for (pins a pool to the nodes

@@ -16,6 +16,12 @@ the critic's and the reference's calls are coroutines too, which `GroupCriticEng
 Weights never come to the driver: a weight sync goes through `GroupCheckpointEngine`
 (`weight_sync.py`), whose sender is rank 0.
 
+One trainer shape: with the trainer in the driver (`runtime.trainer_in_driver`) the
+group is one `TrainerRank` in this process behind a `LocalRank` handle (`local.py`,
+`start_local`, or `around` engines built already), driven through the same calls, so
+its errors are `TrainerRankFailed` naming rank 0 too, and its sender streams from the
+engine with no copy.
+
 Knows nothing about the engines inside a rank, the replicas, or the training loop.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -30,6 +37,7 @@ from typing import Any
 import torch
 
 from offbeat.core.metrics import reduction_for
+from offbeat.core.runtime.local import LocalRank
 from offbeat.core.runtime.rank import TrainerRank
 
 # After one rank raised, how long to wait for a rank that died (the likelier cause).
@@ -183,20 +191,72 @@ class TrainerGroup:
             for r in range(world)
         ]
         group = cls(handles)
-        group._loop = asyncio.get_running_loop()
-        group.roles = tuple(roles)
         try:
             master = group.master = await group._one(0, "address", handles[0].address.remote())
-            built = await group._all(
-                "build", [h.build.remote(job, master, seed, threads, group.roles) for h in handles]
-            )
-            group.pids = [b["pid"] for b in built]
-            group.reference_fingerprint = built[0].get("reference_fingerprint")
-            group.node_ids = await group._all("node_id", [h.node_id.remote() for h in handles])
+            await group._build(job, master, seed, threads, roles)
         except BaseException:
             group.shutdown()
             raise
         return group
+
+    @classmethod
+    async def start_local(
+        cls, job: Any, *, threads: int = 1, roles: Sequence[str] = ("actor",)
+    ) -> TrainerGroup:
+        """One rank in this process (`runtime.trainer_in_driver`): no actor, no
+        rendezvous, no reseeding; `job`'s engines of `roles` built on the rank's thread."""
+        group = cls([LocalRank(TrainerRank(0, 1))])
+        try:
+            await group._build(job, None, None, threads, roles)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    @classmethod
+    def around(
+        cls, engine: Any = None, *, critic: Any = None, reference: Any = None
+    ) -> TrainerGroup:
+        """A one-rank group in this process around engines built already (any
+        `TrainEngine`; a critic and/or a reference engine), e.g. a test's fake or an
+        engine a script made itself. Its roles are the engines given."""
+        rank = TrainerRank(0, 1)
+        rank.engine, rank.critic, rank.reference = engine, critic, reference
+        group = cls([LocalRank(rank)])
+        group.roles = tuple(rank._built())
+        if not group.roles:
+            raise ValueError("TrainerGroup.around: give it an engine (actor, critic or reference)")
+        if reference is not None:
+            group.reference_fingerprint = rank._fingerprint(reference)
+        with contextlib.suppress(RuntimeError):  # else bound at its first awaited call
+            group._loop = asyncio.get_running_loop()
+        group.pids = [os.getpid()]
+        return group
+
+    async def _build(
+        self,
+        job: Any,
+        master: tuple[str, int] | None,
+        seed: int | None,
+        threads: int,
+        roles: Sequence[str],
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.roles = tuple(roles)
+        handles = self.handles
+        built = await self._all(
+            "build", [h.build.remote(job, master, seed, threads, self.roles) for h in handles]
+        )
+        self.pids = [b["pid"] for b in built]
+        self.reference_fingerprint = built[0].get("reference_fingerprint")
+        self.node_ids = await self._all("node_id", [h.node_id.remote() for h in handles])
+
+    @property
+    def local_rank(self) -> TrainerRank | None:
+        """The rank object when the group is one rank in this process (its engines, to
+        read after the run), else None."""
+        h = self.handles[0] if len(self.handles) == 1 else None
+        return h.rank if isinstance(h, LocalRank) else None
 
     # ---- fan-out -------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -215,6 +275,8 @@ class TrainerGroup:
         ranks = list(range(len(refs))) if ranks is None else ranks
         if self.failed is not None:
             raise self.failed
+        if self._loop is None:  # a group made `around` engines outside a loop
+            self._loop = asyncio.get_running_loop()
         futures = [asyncio.ensure_future(_await(r)) for r in refs]
         self._calls = [c for c in self._calls if not all(f.done() for f in c[2])]
         self._calls.append((what, ranks, futures, time.monotonic()))
@@ -278,7 +340,12 @@ class TrainerGroup:
         return split_by_tokens(tokens, self.dp_size)
 
     async def _scatter(self, method: str, data: dict[str, Any], *args: Any) -> tuple[list, list]:
-        """Every rank's `method` on its token-balanced shard of `data`: (rows, results)."""
+        """Every rank's `method` on its token-balanced shard of `data`: (rows, results).
+        One rank takes `data` itself (no copy of its rows)."""
+        if self.dp_size == 1:
+            rows = data["attention_mask"].shape[0]
+            ref = getattr(self.handles[0], method).remote(data, *args)
+            return [list(range(rows))], await self._all(method, [ref])
         parts = self._shards(data)
         refs = [
             getattr(h, method).remote(_rows(data, part), *args)
@@ -287,8 +354,11 @@ class TrainerGroup:
         return parts, await self._all(method, refs)
 
     async def _per_row(self, method: str, data: dict[str, Any], *args: Any) -> torch.Tensor:
-        """`method`'s [rows, R] answer for `data`, each rank's rows put back in order."""
+        """`method`'s [rows, R] answer for `data`, each rank's rows put back in order (one
+        rank's answer as it is)."""
         parts, shards = await self._scatter(method, data, *args)
+        if self.dp_size == 1:
+            return shards[0]
         return gather_rows(parts, shards, data["response_mask"].shape[0])
 
     async def update(self, mini_batch: dict[str, Any], temperature: float | None = None) -> dict:
@@ -349,11 +419,18 @@ class TrainerGroup:
 
     # ---- teardown ------------------------------------------------------------------------
     def shutdown(self) -> None:
-        import ray
-
         for h in self.handles:
             with contextlib.suppress(Exception):  # already gone
-                ray.kill(h)
+                _kill(h)
+
+
+def _kill(handle: Any) -> None:
+    if isinstance(handle, LocalRank):
+        handle.kill()
+        return
+    import ray
+
+    ray.kill(handle)
 
 
 async def _await(ref: Any) -> Any:

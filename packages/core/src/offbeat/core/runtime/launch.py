@@ -2,15 +2,15 @@
 
 `start_pools` reserves the trainer pool (one bundle per rank) and the rollout pool (one
 bundle per replica), plus any named pools a recipe declares. `start_trainer` returns the
-train engine the loop drives and the checkpoint engine that syncs its weights: with the
-trainer in the driver (one rank on a local Ray, the cheapest path) a plain engine and a
-`CheckpointEngineManager`; otherwise a `TrainerGroup` of `resources.trainer_devices`
-rank actors on the trainer pool and a `GroupCheckpointEngine` whose sender is rank 0.
-When the job has a critic and/or a reference policy placed with the actor
+`TrainerGroup` the loop drives and the `GroupCheckpointEngine` that syncs its weights
+from rank 0. One trainer shape: with the trainer in the driver (one rank on a local Ray,
+the cheapest path) the group is one rank in this process (`TrainerGroup.start_local`: no
+actor, no pool bundle); otherwise `resources.trainer_devices` rank actors on the trainer
+pool. When the job has a critic and/or a reference policy placed with the actor
 (`critic.placement=actor`, `ref.placement=actor`), the group's ranks build them too, and
-the side carries their engine-shaped proxies (`engines.py`); in the driver the training
-loop builds them itself. Placed `separate`, each is a `TrainerGroup` of its own (ranks of
-that one role, their own process group) on the pool named after its role.
+the side carries their engine-shaped proxies (`engines.py`). Placed `separate`, each is a
+`TrainerGroup` of its own (ranks of that one role, their own process group) on the pool
+named after its role.
 
 Knows the job config's resource and runtime keys, the pools and the group; nothing of
 the rollout engines or the training loop.
@@ -146,23 +146,24 @@ def hybrid_options(cfg: Any, pools: ResourcePools, rank: int) -> dict[str, Any]:
 
 @dataclass
 class TrainerSide:
-    """The loop's engine (a TrainEngine or a TrainerGroup), the checkpoint engine that
-    syncs it, the group when there is one, and the group's critic and reference engines
-    when its ranks hold them (None: the loop builds its own, in the driver)."""
+    """The trainer's group (the loop's engine), the checkpoint engine that syncs it, and
+    the critic's and the reference's engines when the job has them (None otherwise)."""
 
-    engine: Any
+    group: TrainerGroup
     manager: Any
-    group: TrainerGroup | None = None
     critic_engine: Any = None
     reference_engine: Any = None
+
+    @property
+    def engine(self) -> TrainerGroup:
+        """What the training loop drives: the group."""
+        return self.group
 
     def hybrid_manager(self, cfg: Any) -> Any:
         """A checkpoint engine of its own for the hybrid replicas: a host-side backend
         (`shm`) opened on rank 0 beside the rollout replicas' one."""
         from offbeat.core.runtime.weight_sync import GroupCheckpointEngine
 
-        if self.group is None:
-            raise ValueError("hybrid replicas need the trainer as a worker group")
         manager = GroupCheckpointEngine(
             self.group, "shm", phase_timeout_s=cfg.runtime.sync_timeout_s, slot="hybrid"
         )
@@ -174,13 +175,10 @@ class TrainerSide:
     separate: dict[str, TrainerGroup] = field(default_factory=dict)
 
     async def close(self) -> None:
-        """Close the checkpoint engines (on rank 0 for a group: their shm files or store go
-        with them), then stop the ranks."""
+        """Close the checkpoint engines (on rank 0: their shm files or store go with
+        them), then stop the ranks."""
         for g in self.separate.values():
             g.shutdown()
-        if self.group is None:
-            self.manager.close()
-            return
         for m in [self.manager, *self.extra_managers]:
             await m.aclose()
         self.group.shutdown()
@@ -197,29 +195,13 @@ def call_timeout_s(cfg: Any) -> float | None:
 async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
     """The trainer of `cfg` (a prepared RunConfig) and its checkpoint engine; the group's
     ranks go into `pools`' trainer pool, which must exist unless the trainer runs in the
-    driver."""
-    from offbeat.ckpt_engine import CheckpointEngineManager
+    driver (then its one rank runs in this process)."""
     from offbeat.core.config.support import separate_groups
-    from offbeat.core.cpus import share_of
-    from offbeat.core.registry import TRAIN_ENGINES
     from offbeat.core.runtime.weight_sync import GroupCheckpointEngine, group_backend_options
 
     rt = cfg.runtime
-    if trainer_in_driver(cfg):
-        engine = TRAIN_ENGINES.get(cfg.actor.engine).from_job_config(cfg)
-        manager = CheckpointEngineManager(
-            rt.ckpt_backend, phase_timeout_s=rt.sync_timeout_s, release_kv=rt.sync_release_kv
-        )
-        return TrainerSide(engine, manager)
-    if pools is None or "trainer" not in pools.groups:
-        raise ValueError("start_trainer: the trainer runs as a worker group and needs its pool")
-    n = cfg.resources.trainer_devices
-    cpus = [share_of(rt.trainer_cpus, n, r) if rt.trainer_cpus else [] for r in range(n)]
     roles = group_roles(cfg)
-    group = await TrainerGroup.start(
-        cfg, n, options=_rank_options(cfg, pools), cpus=cpus, seed=cfg.trainer.seed,
-        threads=rt.trainer_threads, roles=roles,
-    )  # fmt: skip
+    group = await _start_actor_group(cfg, pools, roles)
     group.call_timeout_s = call_timeout_s(cfg)
     separate: dict[str, TrainerGroup] = {}
     try:
@@ -238,7 +220,27 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
         for g in [group, *separate.values()]:
             g.shutdown()
         raise
-    return TrainerSide(group, manager, group, critic, reference, separate=separate)
+    return TrainerSide(group, manager, critic, reference, separate=separate)
+
+
+async def _start_actor_group(
+    cfg: Any, pools: ResourcePools | None, roles: tuple[str, ...]
+) -> TrainerGroup:
+    """The actor's group: one rank here with the trainer in the driver (this process is
+    already pinned and threaded: `pin_trainer`), else rank actors on the trainer pool."""
+    from offbeat.core.cpus import share_of
+
+    rt = cfg.runtime
+    if trainer_in_driver(cfg):
+        return await TrainerGroup.start_local(cfg, threads=rt.trainer_threads, roles=roles)
+    if pools is None or "trainer" not in pools.groups:
+        raise ValueError("start_trainer: the trainer runs as a worker group and needs its pool")
+    n = cfg.resources.trainer_devices
+    cpus = [share_of(rt.trainer_cpus, n, r) if rt.trainer_cpus else [] for r in range(n)]
+    return await TrainerGroup.start(
+        cfg, n, options=_rank_options(cfg, pools), cpus=cpus, seed=cfg.trainer.seed,
+        threads=rt.trainer_threads, roles=roles,
+    )  # fmt: skip
 
 
 async def _start_separate(cfg: Any, pools: ResourcePools, role: str) -> TrainerGroup:

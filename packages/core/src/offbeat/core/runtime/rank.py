@@ -8,8 +8,11 @@ policy (`build_reference_engine`), each sharded over the same ranks. It runs wha
 driver's `TrainerGroup` fans out: updates, log-probs and values on its shard of a batch,
 sharded save/load, and its part of a weight sync, where rank 0 is the checkpoint
 engine's sender and every rank takes part in each parameter's gather (nothing goes
-through the driver). Knows nothing about the other ranks beyond the rendezvous address,
-nor about the replicas it sends to.
+through the driver). The same class runs in the driver as the one rank of a local
+group (`runtime.trainer_in_driver`, `runtime.local`): no rendezvous then (a private
+single-process group) and no reseeding (the driver's `prepare` seeded the process).
+Knows nothing about the other ranks beyond the rendezvous address, nor about the
+replicas it sends to.
 """
 
 from __future__ import annotations
@@ -60,15 +63,17 @@ class TrainerRank:
     def build(
         self,
         job: Any,
-        master: tuple[str, int],
-        seed: int,
+        master: tuple[str, int] | None,
+        seed: int | None,
         threads: int,
         roles: tuple[str, ...] = ("actor",),
     ) -> dict:
         """Join the process group at `master` and build `job`'s engines of `roles` (in
         `ROLES` order, so the RNG draws are the same on every rank). With the reference
         it returns its weights' fingerprint (rank 0's; computed here, where the weights
-        are, so the driver never needs them)."""
+        are, so the driver never needs them). `master=None`: the one rank, in the driver,
+        whose engines start a private group (the env:// variables would also move its
+        device to LOCAL_RANK's); `seed=None`: keep the process's RNG as it is."""
         import torch
 
         from offbeat.core.registry import TRAIN_ENGINES
@@ -77,17 +82,19 @@ class TrainerRank:
         unknown = [r for r in roles if r not in ROLES]
         if unknown or not roles:
             raise ValueError(f"trainer rank roles {list(roles)}: each one of {list(ROLES)}")
-        os.environ.update(
-            {
-                "MASTER_ADDR": master[0],
-                "MASTER_PORT": str(master[1]),
-                "RANK": str(self.rank),
-                "WORLD_SIZE": str(self.world),
-                "LOCAL_RANK": "0",  # Ray shows each rank only its own device
-                "LOCAL_WORLD_SIZE": "1",
-            }
-        )
-        torch.manual_seed(seed)
+        if master is not None:
+            os.environ.update(
+                {
+                    "MASTER_ADDR": master[0],
+                    "MASTER_PORT": str(master[1]),
+                    "RANK": str(self.rank),
+                    "WORLD_SIZE": str(self.world),
+                    "LOCAL_RANK": "0",  # Ray shows each rank only its own device
+                    "LOCAL_WORLD_SIZE": "1",
+                }
+            )
+        if seed is not None:
+            torch.manual_seed(seed)
         torch.set_num_threads(threads)
         out: dict[str, Any] = {"pid": os.getpid()}
         if "actor" in roles:
@@ -106,8 +113,14 @@ class TrainerRank:
         `gather_weights`) holds the fingerprint."""
         from offbeat.core.trainer.reference import weights_fingerprint
 
-        gather = getattr(engine, "gather_weights", None)
+        gather = self._gather(engine)
         return weights_fingerprint(gather(0) if gather is not None else engine.export_weights())
+
+    def _gather(self, engine: Any) -> Any:
+        """The engine's `gather_weights` with peers to gather from; alone (world 1, the
+        rank in the driver) its export hands out the parameters as they are, with no copy
+        into a gather buffer."""
+        return getattr(engine, "gather_weights", None) if self.world > 1 else None
 
     def _role(self, role: str) -> Any:
         engine = {"actor": self.engine, "critic": self.critic, "reference": self.reference}[role]
@@ -119,9 +132,10 @@ class TrainerRank:
         return [r for r in ROLES if getattr(self, "engine" if r == "actor" else r) is not None]
 
     def node_id(self) -> str:
+        """This process's Ray node ("" in a driver without Ray: a unit test's local rank)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     def format_stacks(self) -> str:
         """This process's threads and tasks (the stall watchdog's dump asks for them). The
@@ -180,8 +194,9 @@ class TrainerRank:
         its report. An engine with `gather_weights(dst)` gathers onto rank 0 alone (the
         other ranks send their shards and hold no full tensor); else every rank gathers
         each parameter and the others drop it. Rank 0 drains the export even when the send
-        stops early, so the other ranks are never left in a gather."""
-        gather = getattr(self.engine, "gather_weights", None)
+        stops early, so the other ranks are never left in a gather. Alone (world 1) it
+        streams the export itself."""
+        gather = self._gather(self.engine)
         stream = gather(0) if gather is not None else self.engine.export_weights()
         if self.rank != 0:
             for _ in stream:

@@ -8,7 +8,9 @@ transfer asks every rank to iterate its engine's export (each parameter's gather
 collective of all ranks, one full parameter at a time) while rank 0 packs what it
 gathers into the buckets. The driver sees specs and reports, never a tensor. A rank
 that fails during a sync fails the sync with `TrainerRankFailed` instead of being
-reported as every replica failing.
+reported as every replica failing. With the one rank in the driver (a local group) the
+same calls run on the rank's threads here: the sender reads the engine's export as it
+is produced, as a bare engine's manager would.
 
 Knows nothing about what a rank's engine is, nor about the replicas behind the targets.
 """
@@ -30,8 +32,10 @@ __all__ = ["GroupCheckpointEngine", "GroupSenderBackend", "group_backend_options
 
 def group_backend_options(backend: str, group: TrainerGroup, device: str) -> dict[str, Any]:
     """Options for `backend` opened on rank 0: `broadcast` binds its store to rank 0's
-    node address (receivers on other nodes reach it there) on the device's collectives."""
-    if backend == "broadcast":
+    node address (receivers on other nodes reach it there) on the device's collectives.
+    A rank in this process (no rendezvous address) opens the backend with its defaults,
+    as a `CheckpointEngineManager` of the driver does."""
+    if backend == "broadcast" and group.local_rank is None:
         return {"host": group.master[0], "device": "cpu" if device == "cpu" else device}
     return {}
 

@@ -631,9 +631,10 @@ async def _train(
             run_name=cfg.trainer.experiment_name, run_config=cfg, store_dir=cfg.trainer.log_dir,
         )  # fmt: skip
         settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
-        # The critic and the reference model, when the algorithm needs them, beside the
-        # actor (critic.placement=actor, ref.placement=actor): on the trainer group's ranks
-        # (the side carries their engines), or built here with a trainer in this process.
+        # The critic and the reference model, when the algorithm needs them: on the
+        # trainer group's ranks (critic.placement=actor, ref.placement=actor; the one local
+        # rank with the trainer in the driver) or on groups of their own; the side carries
+        # their engines.
         critic_ref = CriticAndReference.from_job(
             cfg, critic_engine=side.critic_engine, reference_engine=side.reference_engine
         )

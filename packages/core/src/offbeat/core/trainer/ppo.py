@@ -6,11 +6,12 @@ actor's updates, and after them:
     the reward (controller stepped) -> values (critic) -> advantages (GAE, or the
     outcome estimator on the penalised rewards) -> actor update(s) -> critic update(s)
 
-Both models live where the actor does: in the trainer process beside it, or on the ranks
-of the trainer's worker group (`critic.placement=actor`, `ref.placement=actor`), where
-their engines are the group's proxies (`offbeat.core.runtime.GroupCriticEngine`,
-`GroupReferenceEngine`). Knows nothing about rollout, the buffer or weight sync; the
-blocking engine calls run in worker threads.
+In a job both models live on the ranks of a worker group, the actor's
+(`critic.placement=actor`, `ref.placement=actor`; one rank in the driver when the
+trainer runs there) or their own, and their engines are the group's proxies
+(`offbeat.core.runtime.GroupCriticEngine`, `GroupReferenceEngine`); `from_job` with no
+engines builds bare ones in this process (a script's, a test's). Knows nothing about
+rollout, the buffer or weight sync; the blocking engine calls run in worker threads.
 """
 
 from __future__ import annotations

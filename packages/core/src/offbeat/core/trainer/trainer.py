@@ -13,9 +13,9 @@ Validation runs in the background on the rollout replicas; with hybrid replicas
 too, and the trainer waits for it. While the trainer waits for a batch, replacements of
 dead replicas join at its weight version (`ReplicaPool.admit`).
 
-Knows nothing about the concrete engines: it drives a `TrainEngine` (or a trainer group
-whose calls are coroutines), a `ReplicaPool`
-(weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
+Knows nothing about the concrete engines: it drives a `TrainerGroup` (whose calls are
+coroutines; one rank in this process when the trainer runs in the driver), a
+`ReplicaPool` (weight syncs), a `RolloutDriver` (generation) and an `AsyncReplayBuffer`. Each step's
 phases are spans of the run's step timeline, when it has one (`offbeat.core.trace`), and
 report to the run's progress registry, which the stall watchdog reads while the rollout
 runs (`offbeat.core.trainer.watchdog`, `trainer.stall_timeout_s`).
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import resource
 import time
@@ -436,8 +435,7 @@ class Trainer:
         tokens0 = self.driver.tokens_generated
         await self.buffer.begin_step(step)
         self.step = step
-        if hasattr(self.engine, "begin_step"):  # a trainer group names the step in errors
-            self.engine.begin_step(step)
+        self.engine.begin_step(step)  # the group's errors name the step
 
         t0 = time.perf_counter()
         waiting = f"waiting for a batch of {s.train_batch_size} prompt groups"
@@ -459,9 +457,7 @@ class Trainer:
         if s.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
             with trace.span("old_log_prob"), progress.working("old_log_prob", None, f"step {step}"):
-                data["old_log_probs"] = await _call(
-                    self.engine.compute_log_probs, data, s.temperature
-                )
+                data["old_log_probs"] = await self.engine.compute_log_probs(data, s.temperature)
         old_lp_s = time.perf_counter() - t0
         # Log-prob drift against the rollout's, on the trajectories sampled at the weights
         # the trainer holds now (offbeat.core.trainer.logprob_drift).
@@ -492,7 +488,7 @@ class Trainer:
                             "update", None, f"{where}, epoch {epoch + 1}/{s.ppo_epochs}"
                         ),
                     ):
-                        update_metrics.append(await _call(self.engine.update, mb))
+                        update_metrics.append(await self.engine.update(mb))
         train_s = time.perf_counter() - t0
         if asleep is not None and (levels := await asleep):
             extra["hybrid/asleep_level"] = float(min(levels.values()))
@@ -569,14 +565,6 @@ class Trainer:
         for hook in self.step_hooks:
             hook.after_step(step, groups, batch, metrics)
         return metrics
-
-
-async def _call(method: Any, *args: Any) -> Any:
-    """An engine call off the event loop: awaited when the engine's method is a coroutine
-    (a TrainerGroup awaits its ranks), else run in a worker thread."""
-    if inspect.iscoroutinefunction(method):
-        return await method(*args)
-    return await asyncio.to_thread(method, *args)
 
 
 def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:

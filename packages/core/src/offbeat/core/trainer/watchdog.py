@@ -445,7 +445,8 @@ def trainer_context(trainer: Any) -> list[str]:
 
 def trainer_actors(trainer: Any) -> dict[str, Any]:
     """name -> actor handle of each process of a `Trainer` that can give its stacks: the
-    trainer group's ranks (`trainer rank <i>`), the ranks of the critic's and the
+    trainer group's rank actors (`trainer rank <i>`; a rank in the driver is in this
+    process's own dump), the ranks of the critic's and the
     reference's worker groups of their own (`critic rank <i>`, `reference rank <i>`: the
     group's `linked` ones, `critic.placement=separate`) and the replicas, hybrid ones
     included (`replica <id>`; those with a handle that has the stacks method). Read from
@@ -454,7 +455,9 @@ def trainer_actors(trainer: Any) -> dict[str, Any]:
         try:
             engine = trainer.engine
             out = {
-                f"trainer rank {i}": h for i, h in enumerate(getattr(engine, "handles", None) or [])
+                f"trainer rank {i}": h
+                for i, h in enumerate(getattr(engine, "handles", None) or [])
+                if not getattr(h, "in_process", False)  # its stacks are this process's
             }
             for g in list(getattr(engine, "linked", None) or []):
                 role = "+".join(getattr(g, "roles", None) or ("linked",))
