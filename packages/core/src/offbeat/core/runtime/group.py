@@ -191,12 +191,7 @@ class TrainerGroup:
             for r in range(world)
         ]
         group = cls(handles)
-        try:
-            master = group.master = await group._one(0, "address", handles[0].address.remote())
-            await group._build(job, master, seed, threads, roles)
-        except BaseException:
-            group.shutdown()
-            raise
+        await group._build(job, seed, threads, roles, rendezvous=True)
         return group
 
     @classmethod
@@ -206,11 +201,7 @@ class TrainerGroup:
         """One rank in this process (`runtime.trainer_in_driver`): no actor, no
         rendezvous, no reseeding; `job`'s engines of `roles` built on the rank's thread."""
         group = cls([LocalRank(TrainerRank(0, 1))])
-        try:
-            await group._build(job, None, None, threads, roles)
-        except BaseException:
-            group.shutdown()
-            raise
+        await group._build(job, None, threads, roles, rendezvous=False)
         return group
 
     @classmethod
@@ -236,20 +227,30 @@ class TrainerGroup:
     async def _build(
         self,
         job: Any,
-        master: tuple[str, int] | None,
         seed: int | None,
         threads: int,
         roles: Sequence[str],
+        *,
+        rendezvous: bool,
     ) -> None:
+        """Build `job`'s engines of `roles` on every rank (after the rendezvous through
+        rank 0 when `rendezvous`); on any failure the ranks are shut down."""
         self._loop = asyncio.get_running_loop()
         self.roles = tuple(roles)
         handles = self.handles
-        built = await self._all(
-            "build", [h.build.remote(job, master, seed, threads, self.roles) for h in handles]
-        )
-        self.pids = [b["pid"] for b in built]
-        self.reference_fingerprint = built[0].get("reference_fingerprint")
-        self.node_ids = await self._all("node_id", [h.node_id.remote() for h in handles])
+        try:
+            master = None
+            if rendezvous:
+                master = self.master = await self._one(0, "address", handles[0].address.remote())
+            built = await self._all(
+                "build", [h.build.remote(job, master, seed, threads, self.roles) for h in handles]
+            )
+            self.pids = [b["pid"] for b in built]
+            self.reference_fingerprint = built[0].get("reference_fingerprint")
+            self.node_ids = await self._all("node_id", [h.node_id.remote() for h in handles])
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def local_rank(self) -> TrainerRank | None:

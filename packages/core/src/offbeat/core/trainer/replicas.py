@@ -314,6 +314,20 @@ class ReplicaPool:
         else:
             _ = server.weight_version
 
+    async def _unhealthy(self, servers: Mapping[str, Any]) -> dict[str, str]:
+        """Probe each of `servers` at once: id -> "health check: <error>" for the ones
+        that do not answer."""
+        ids = list(servers)
+        outcomes = await asyncio.gather(
+            *(asyncio.wait_for(self._probe(servers[i]), self.health_timeout_s) for i in ids),
+            return_exceptions=True,
+        )
+        return {
+            i: f"health check: {type(o).__name__}: {o}"
+            for i, o in zip(ids, outcomes, strict=True)
+            if isinstance(o, BaseException)
+        }
+
     async def _diagnosed(
         self, failed: Mapping[str, str], targets: Mapping[str, Any]
     ) -> dict[str, str]:
@@ -322,31 +336,15 @@ class ReplicaPool:
         and the sync only knows that); a health probe then names the cause (e.g.
         EngineDeadError), the sync's reason beside it. A replica that answers the probe
         keeps the sync's reason."""
-        ids = [i for i in failed if i in targets]
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(self._probe(targets[i]), self.health_timeout_s) for i in ids),
-            return_exceptions=True,
-        )
-        why = dict(failed)
-        for i, o in zip(ids, outcomes, strict=True):
-            if isinstance(o, BaseException):
-                why[i] = f"health check: {type(o).__name__}: {o} (the sync: {failed[i]})"
-        return why
+        dead = await self._unhealthy({i: targets[i] for i in failed if i in targets})
+        return {
+            i: f"{dead[i]} (the sync: {why})" if i in dead else why for i, why in failed.items()
+        }
 
     async def check_health(self) -> list[str]:
         """Probe every replica and guest; remove (and replace) and return the ones that do
         not answer."""
-        every = {**self.servers, **self.guests}
-        ids = list(every)
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(self._probe(every[i]), self.health_timeout_s) for i in ids),
-            return_exceptions=True,
-        )
-        dead = {
-            i: f"health check: {type(o).__name__}: {o}"
-            for i, o in zip(ids, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
+        dead = await self._unhealthy({**self.servers, **self.guests})
         await self._remove(list(dead), dead)
         return list(dead)
 
