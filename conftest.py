@@ -13,7 +13,8 @@
   shape (two nodes) shuts it down; the next `up()` starts it again.
 - Timeouts: every test has one (pytest-timeout; the default is in pyproject.toml, e2e
   modules set larger ones). On a timeout the failure prints every thread's stack and every
-  asyncio task's stack, then fails that test only (the session goes on).
+  asyncio task's stack, then fails that test only (the session goes on). A passing test
+  whose call ran over `OFFBEAT_SLOW_CALL_S` (180 s) has its output's tail in the summary.
 
 It imports nothing of the packages under test at module level (the Ray session uses core's
 `init_ray`, the way every job starts Ray, only when a test asks for it).
@@ -340,6 +341,36 @@ def pytest_sessionfinish(session, exitstatus):
         proc.wait()
     if _MADE_CACHE is not None and not hasattr(session.config, "workerinput"):
         shutil.rmtree(_MADE_CACHE, ignore_errors=True)
+
+
+# ---- a passing test that ran long shows what it printed ---------------------------------
+# A passing test prints nothing, so a call that took far longer than usual (322 s once for a
+# test that takes 85-95 s) left no trace of where the time went. Calls over
+# OFFBEAT_SLOW_CALL_S seconds (default 180; 0 turns it off) have the tail of their captured
+# output repeated in the terminal summary.
+SLOW_CALL_TAIL_LINES = 80
+_SLOW_CALLS: list[tuple[str, float, str]] = []
+
+
+def _slow_call_s() -> float:
+    return float(os.environ.get("OFFBEAT_SLOW_CALL_S", "180"))
+
+
+def pytest_runtest_logreport(report):
+    limit = _slow_call_s()
+    if report.when != "call" or not report.passed or limit <= 0 or report.duration < limit:
+        return
+    text = "\n".join(f"--- {name} ---\n{body}" for name, body in report.sections if body)
+    lines = text.splitlines()[-SLOW_CALL_TAIL_LINES:]
+    _SLOW_CALLS.append((report.nodeid, report.duration, "\n".join(lines)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for nodeid, duration, tail in _SLOW_CALLS:
+        terminalreporter.write_sep(
+            "-", f"slow call: {nodeid} took {duration:.0f} s; its output's last lines"
+        )
+        terminalreporter.write_line(tail or "(it printed nothing)")
 
 
 # ---- timeouts: every thread's and every asyncio task's stack, then fail the test ----------

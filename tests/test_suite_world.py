@@ -43,16 +43,26 @@ def test_marked_slow_timeout(request):
 def test_starts_ray_unmarked():
     import ray
     ray.init(num_cpus=1)
+
+def test_prints_then_runs_long():
+    print("PROBE-LONG-CALL-OUTPUT")
+    time.sleep(1.5)
+
+def test_prints_and_is_quick():
+    print("PROBE-QUICK-CALL-OUTPUT")
 """
 
 
-def child_pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def child_pytest(
+    tmp_path: Path, *args: str, capture: bool = False, **env_extra: str
+) -> subprocess.CompletedProcess:
     shutil.copy(ROOT / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_probes.py").write_text(PROBES)
     env = {k: v for k, v in os.environ.items() if k not in ("OFFBEAT_TEST_CACHE",)}
+    flags = ["-p", "no:cacheprovider", "-q"] + ([] if capture else ["-s"])
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-q", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "pytest", *flags, *args],
+        cwd=tmp_path, env={**env, **env_extra}, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
 
 
@@ -74,12 +84,27 @@ def test_a_marked_test_without_a_timeout_of_its_own_gets_the_marked_default(tmp_
 
 def test_the_fast_tier_deselects_marked_tests_and_refuses_ray(tmp_path):
     pytest.importorskip("ray")
-    out = child_pytest(tmp_path, "--fast", "-k", "not hangs", "-rA")
+    out = child_pytest(tmp_path, "--fast", "-k", "not hangs and not prints", "-rA")
     text = out.stdout + out.stderr
-    assert "3 deselected" in text, text[-3000:]  # -k's and the tier's two
+    assert "5 deselected" in text, text[-3000:]  # -k's three and the tier's two
     assert "test_marked_e2e" not in text  # never run, so never reported under -rA
     assert "starts Ray in the fast tier: mark it @pytest.mark.ray" in text
     assert "1 failed, 1 passed" in text
+
+
+def test_a_passing_call_over_the_slow_limit_shows_its_output_in_the_summary(tmp_path):
+    out = child_pytest(
+        tmp_path, "-k", "prints_then_runs_long or prints_and_is_quick", capture=True,
+        OFFBEAT_SLOW_CALL_S="1",
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert "2 passed" in text, text[-3000:]
+    assert "slow call: test_probes.py::test_prints_then_runs_long took 2 s" in text, text[-3000:]
+    assert "PROBE-LONG-CALL-OUTPUT" in text
+    assert "PROBE-QUICK-CALL-OUTPUT" not in text  # under the limit: captured, not shown
+    off = child_pytest(tmp_path, "-k", "prints_then_runs_long", capture=True,
+                       OFFBEAT_SLOW_CALL_S="0")  # fmt: skip
+    assert "slow call" not in off.stdout and "PROBE-LONG-CALL-OUTPUT" not in off.stdout
 
 
 def test_the_cache_is_the_sessions_own_never_the_users(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 
 import pytest
 import torch
@@ -117,6 +118,28 @@ async def test_hung_receiver_times_out_others_succeed(model, make_target):
     assert res.succeeded == ["ok"], res.failed["ok"]
     assert "no answer within 2.0s" in res.failed["hung"] or "did not connect" in res.failed["hung"]
     assert hung.weight_version == 0
+
+
+async def test_a_receiver_whose_health_probe_fails_is_dropped_at_once(model, make_target):
+    hung, ok = make_target("hung", hang_in="transfer"), make_target("ok")
+
+    async def probe(target):
+        if target is hung:
+            raise RuntimeError("engine dead")
+
+    mgr = CheckpointEngineManager(
+        "shm", bucket_bytes=BUCKET, phase_timeout_s=60.0, health_probe=probe, health_poll_s=0.1
+    )
+    t0 = time.monotonic()
+    res = await mgr.sync(model.items(), 1, {"hung": hung, "ok": ok})
+    assert time.monotonic() - t0 < 10.0  # not the 30 s the receiver would be waited for
+    assert res.succeeded == ["ok"], res.failed
+    assert res.failed["hung"] == "transfer: health check: RuntimeError: engine dead"
+
+
+def test_health_poll_must_be_positive():
+    with pytest.raises(ValueError, match="health_poll_s must be > 0"):
+        CheckpointEngineManager("shm", health_poll_s=0)
 
 
 async def test_phase_failure_excludes_replica_from_later_phases(model, make_target, calls):

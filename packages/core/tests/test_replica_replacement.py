@@ -184,6 +184,58 @@ async def test_a_replica_failing_a_sync_is_removed_for_what_its_health_probe_say
     )
 
 
+async def test_a_sync_drops_a_replica_whose_probe_fails_without_waiting_out_its_receiver():
+    """The engine of s1 died while nothing was generating: its actor still takes the
+    transfer call, but nothing will ever connect. The manager's health probe (the pool's)
+    drops it within a poll, not after the receiver's connect timeout (here 60 s)."""
+
+    class EngineDead(FakeServer):
+        """Its proxy reports the last version it saw; the probe asks the engine."""
+
+        @property
+        def weight_version(self):
+            return self._version
+
+        async def refresh(self):
+            raise ConnectionError(f"{self.server_id}'s engine is dead")
+
+        async def update_weights(self, spec):
+            await asyncio.Event().wait()  # the call is taken; no receiver ever connects
+
+    s0, s1 = FakeServer("s0"), EngineDead("s1")
+    manager = CheckpointEngineManager("naive", phase_timeout_s=120, health_poll_s=0.1)
+    pool = ReplicaPool({"s0": s0, "s1": s1}, AsyncLoadBalancer({"s0": s0, "s1": s1}), manager)
+    assert manager.health_probe is not None  # the pool lent the manager its probe
+    t0 = asyncio.get_running_loop().time()
+    result = await pool.sync(weights, 1)
+    assert asyncio.get_running_loop().time() - t0 < 10, "waited for the dead receiver"
+    assert result.succeeded == ["s0"] and s0.weight_version == 1
+    assert pool.server_ids == ["s0"]
+    assert pool.removed["s1"] == "transfer: health check: ConnectionError: s1's engine is dead"
+
+
+async def test_a_probe_that_does_not_answer_in_time_drops_nobody():
+    """A replica busy receiving may answer its probe late: only a probe that raises counts."""
+
+    class SlowProbe(FakeServer):
+        async def refresh(self):
+            await asyncio.sleep(1.0)
+            return self.weight_version
+
+    s0 = SlowProbe("s0")
+    manager = CheckpointEngineManager("naive", health_poll_s=0.05)
+    pool = ReplicaPool({"s0": s0}, AsyncLoadBalancer({"s0": s0}), manager)
+    real = s0.update_weights
+
+    async def slow_receive(spec):
+        await asyncio.sleep(0.5)  # ten polls go by, each timing out
+        return await real(spec)
+
+    s0.update_weights = slow_receive
+    result = await pool.sync(weights, 1)
+    assert result.succeeded == ["s0"] and pool.removed == {}
+
+
 async def test_zero_attempts_only_removes(sleeps):
     starts = Starts()
     s0, _, pool = make_pool(starts, attempts=0)

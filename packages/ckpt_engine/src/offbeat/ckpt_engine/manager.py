@@ -9,6 +9,7 @@ bytes travel (the backend does); it never imports Ray, vLLM or a trainer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -80,9 +81,13 @@ class CheckpointEngineManager:
         backend_options: Mapping[str, Any] | None = None,
         targets: Mapping[str, SyncTarget] | None = None,
         release_kv: bool = True,
+        health_probe: Callable[[SyncTarget], Awaitable[Any]] | None = None,
+        health_poll_s: float = 2.0,
     ) -> None:
         if phase_timeout_s <= 0:
             raise ValueError(f"phase_timeout_s must be > 0, got {phase_timeout_s!r}")
+        if not health_poll_s > 0:
+            raise ValueError(f"health_poll_s must be > 0, got {health_poll_s!r}")
         if isinstance(backend, Backend):
             self._backend = backend
         else:
@@ -106,6 +111,12 @@ class CheckpointEngineManager:
         # complete); a receiver that copies straight into its parameters from buffers it
         # maps (cuda_ipc into a direct-copy vLLM worker) allocates nothing.
         self.release_kv = bool(release_kv)
+        # While a transfer runs, each replica whose receiver has not finished is probed
+        # every `health_poll_s`; one whose probe raises (its engine died: nothing will
+        # ever connect) is dropped then, not after `wait_timeout_s`. A probe that does not
+        # answer in time says nothing (a replica busy receiving may be slow to answer).
+        self.health_probe = health_probe
+        self.health_poll_s = float(health_poll_s)
         self._targets: dict[str, SyncTarget] = {}
         self._lock = asyncio.Lock()
         for name, t in (targets or {}).items():
@@ -266,48 +277,79 @@ class CheckpointEngineManager:
 
         recv_tasks = [asyncio.ensure_future(receive_one(n)) for n in names]
         task_of = dict(zip(names, recv_tasks, strict=True))
-        deadline = time.monotonic() + timeout
-        await asyncio.wait([send_task], timeout=timeout)
-        if send_task.done() and not send_task.cancelled() and send_task.exception() is not None:
-            err = send_task.exception()
-            sender.abort(f"sender failed: {type(err).__name__}: {err}")  # unblock receivers
-        if send_task.done() and not send_task.cancelled() and send_task.exception() is None:
-            # Receivers the sender gave up on are failed already; stop waiting for them.
-            for rank, why in send_task.result().failed.items():
-                task = task_of[owner[rank]]
-                if not task.done():
-                    task.cancel()
-                    reasons.setdefault(owner[rank], f"transfer: {why}")
-        _done, pending = await asyncio.wait(
-            [send_task, *recv_tasks], timeout=max(0.0, deadline - time.monotonic())
-        )
-        if pending:
-            sender.abort(f"transfer did not finish within {timeout:.1f}s")
-            for name, task in zip(names, recv_tasks, strict=True):
-                if not task.done():
-                    task.cancel()
-                    reasons.setdefault(name, f"transfer: no answer within {timeout:.1f}s")
-            await asyncio.wait(recv_tasks, timeout=5.0)
-            # The sender's waits end once aborted; give its thread a moment to unwind.
-            await asyncio.wait([send_task], timeout=5.0)
-        report = SendReport()
-        if send_task.done() and not send_task.cancelled():
-            if send_task.exception() is not None:
+
+        async def watch() -> None:
+            while True:
+                waiting = [n for n in names if not task_of[n].done()]
+                if not waiting:
+                    return
+                await asyncio.wait([task_of[n] for n in waiting], timeout=self.health_poll_s)
+                waiting = [n for n in waiting if not task_of[n].done()]
+                probe = self.health_probe
+                assert probe is not None
+                outcomes = await asyncio.gather(
+                    *(asyncio.wait_for(probe(pool[n]), self.health_poll_s) for n in waiting),
+                    return_exceptions=True,
+                )
+                for n, o in zip(waiting, outcomes, strict=True):
+                    if isinstance(o, TimeoutError) or not isinstance(o, Exception):
+                        continue
+                    if task_of[n].done():
+                        continue
+                    reasons[n] = f"transfer: health check: {type(o).__name__}: {o}"
+                    for rank in ranks[n]:
+                        sender.drop(rank, reasons[n])
+                    task_of[n].cancel()
+
+        watcher = asyncio.ensure_future(watch()) if self.health_probe is not None else None
+        try:
+            deadline = time.monotonic() + timeout
+            await asyncio.wait([send_task], timeout=timeout)
+            if send_task.done() and not send_task.cancelled() and send_task.exception() is not None:
                 err = send_task.exception()
-                for name in names:  # the root cause, whatever the receivers saw
-                    reasons[name] = f"transfer: sender failed: {type(err).__name__}: {err}"
-            else:
-                report = send_task.result()
-        for name in names:
-            if name in received:
-                # The receiver saw the whole stream, end marker and bucket count included;
-                # trouble the sender had with other members does not undo that.
-                continue
-            failed = [report.failed[r] for r in ranks[name] if r in report.failed]
-            result.failed[name] = reasons.get(name) or (
-                f"transfer: {failed[0]}" if failed else "transfer: did not complete"
+                sender.abort(f"sender failed: {type(err).__name__}: {err}")  # unblock receivers
+            if send_task.done() and not send_task.cancelled() and send_task.exception() is None:
+                # Receivers the sender gave up on are failed already; stop waiting for them.
+                for rank, why in send_task.result().failed.items():
+                    task = task_of[owner[rank]]
+                    if not task.done():
+                        task.cancel()
+                        reasons.setdefault(owner[rank], f"transfer: {why}")
+            _done, pending = await asyncio.wait(
+                [send_task, *recv_tasks], timeout=max(0.0, deadline - time.monotonic())
             )
-        return report
+            if pending:
+                sender.abort(f"transfer did not finish within {timeout:.1f}s")
+                for name, task in zip(names, recv_tasks, strict=True):
+                    if not task.done():
+                        task.cancel()
+                        reasons.setdefault(name, f"transfer: no answer within {timeout:.1f}s")
+                await asyncio.wait(recv_tasks, timeout=5.0)
+                # The sender's waits end once aborted; give its thread a moment to unwind.
+                await asyncio.wait([send_task], timeout=5.0)
+            report = SendReport()
+            if send_task.done() and not send_task.cancelled():
+                if send_task.exception() is not None:
+                    err = send_task.exception()
+                    for name in names:  # the root cause, whatever the receivers saw
+                        reasons[name] = f"transfer: sender failed: {type(err).__name__}: {err}"
+                else:
+                    report = send_task.result()
+            for name in names:
+                if name in received:
+                    # The receiver saw the whole stream, end marker and bucket count included;
+                    # trouble the sender had with other members does not undo that.
+                    continue
+                failed = [report.failed[r] for r in ranks[name] if r in report.failed]
+                result.failed[name] = reasons.get(name) or (
+                    f"transfer: {failed[0]}" if failed else "transfer: did not complete"
+                )
+            return report
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(BaseException):
+                    await watcher
 
 
 def _receivers(target: SyncTarget) -> int:

@@ -97,6 +97,10 @@ class ReplicaPool:
         self.servers: dict[str, Any] = dict(servers)
         self.balancer = balancer
         self.manager = manager
+        if manager is not None and manager.health_probe is None:
+            # A replica whose engine died while nothing was generating is dropped from a
+            # sync as soon as this probe fails, not after the receiver's connect timeout.
+            manager.health_probe = self._probe
         self.health_timeout_s = health_timeout_s
         self.on_pause = on_pause
         self.replacement = replacement
@@ -336,7 +340,9 @@ class ReplicaPool:
         and the sync only knows that); a health probe then names the cause (e.g.
         EngineDeadError), the sync's reason beside it. A replica that answers the probe
         keeps the sync's reason."""
-        dead = await self._unhealthy({i: targets[i] for i in failed if i in targets})
+        # a replica the sync dropped for its probe is not probed again
+        probe = [i for i, why in failed.items() if i in targets and "health check:" not in why]
+        dead = await self._unhealthy({i: targets[i] for i in probe})
         return {
             i: f"{dead[i]} (the sync: {why})" if i in dead else why for i, why in failed.items()
         }
