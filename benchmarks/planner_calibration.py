@@ -1,6 +1,6 @@
 """The planner's predictions against real runs of the default job on this machine.
 
-    python benchmarks/planner_calibration.py [--profile P] [--steps 10] [--configs a,b,...]
+    python benchmarks/planner_calibration.py [--profile P] [--steps 10] [--configs a,b,...] [--repeat 3]
     python benchmarks/planner_calibration.py --gpu --configs async_t2,sync,async_t3,wait_t1 \
         --out benchmarks/results/planner_calibration_gpu.txt      # one CUDA GPU
 
@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,10 @@ def main() -> int:
     ap.add_argument("--profile", help="a profile already measured (default: measure one now)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument(
+        "--repeat", type=int, default=1,
+        help="runs of each configuration, taking turns; the tables give the medians",
+    )  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "planner_calibration.txt"))
     ap.add_argument(
         "--reuse", help="runs made before (their folder): predict and replay only, run nothing"
@@ -145,43 +150,65 @@ def main() -> int:
     say(f"profile's replica: cores {ro.cores or '(not pinned)'}, shared by {ro.shared_by}, "
         f"device_busy={ro.device_busy:.3f} ({'measured' if ro.device_busy_measured else 'assumed'})")  # fmt: skip
 
-    results = []
-    for name in args.configs.split(","):
-        overrides = [*base, *CONFIGS[name]]
-        flags = short(args.steps, work / name)
+    # Every prediction is written before any run; with --repeat the configurations take
+    # turns (round 1 runs each once, then round 2, ...) and each figure is the median.
+    names = args.configs.split(",")
+    preds, cfgs = {}, {}
+    for name in names:
+        flags = short(args.steps, work / f"{name}-1")
         # a reused run's recording exists already (the rule is for new runs)
         checked = [f for f in flags if not (args.reuse and f.startswith("rollout.record."))]
-        _, cfg = load_recipe_config("separate_async", [*overrides, *checked])
-        pred = predict(cfg, profile, steps=args.steps)
+        _, cfgs[name] = load_recipe_config("separate_async", [*base, *CONFIGS[name], *checked])
+        preds[name] = predict(cfgs[name], profile, steps=args.steps)
         say(f"[{name}] overrides: {' '.join(CONFIGS[name]) or '(none)'}")
-        say(f"[{name}] {pred.predict_line()}  (written before the run)")
-        before = load()
-        t0 = time.perf_counter()
-        if not args.reuse:
-            r = subprocess.run(
-                [*OFFBEAT, "run", "separate_async", *overrides, *flags],
-                capture_output=True, text=True,
-            )  # fmt: skip
-            if r.returncode != 0:
-                tail = r.stderr.strip().splitlines()[-3:]
-                say(f"[{name}] run failed (rc {r.returncode}): {tail}")
+        say(f"[{name}] {preds[name].predict_line()}  (written before the run)")
+    runs: dict[str, list[tuple[dict, dict]]] = {name: [] for name in names}
+    for r in range(1, args.repeat + 1):
+        for name in names:
+            tag = f"{name}-{r}"
+            overrides = [*base, *CONFIGS[name]]
+            before = load()
+            t0 = time.perf_counter()
+            if not args.reuse:
+                res = subprocess.run(
+                    [*OFFBEAT, "run", "separate_async", *overrides, *short(args.steps, work / tag)],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if res.returncode != 0:
+                    tail = res.stderr.strip().splitlines()[-3:]
+                    say(f"[{tag}] run failed (rc {res.returncode}): {tail}")
+                    continue
+            elif not (work / tag / "profile" / "metrics.jsonl").is_file():
+                say(f"[{tag}] no run in {work / tag}")
                 continue
-        elif not (work / name / "profile" / "metrics.jsonl").is_file():
-            say(f"[{name}] no run in {work / name}")
+            wall = time.perf_counter() - t0
+            m = measured(work / tag / "profile")
+            how = f"wall {wall:.0f}s, load {before} -> {load()}" if not args.reuse else "reused"
+            say(f"[{tag}] measured: " + " ".join(f"{k}={m.get(k, float('nan')):.4f}" for k in KEYS)
+                + f"  ({m['steps']} steps, {how})")  # fmt: skip
+            trainer = dataclasses.replace(profile.trainer, run_level=1.0)
+            own = profile_from_run(cfgs[name], work / tag, trainer=trainer)
+            # a run's profile measures no core use: the profile's (how a lone replica uses them)
+            own.rollout.device_busy = profile.rollout.device_busy
+            rep = predict(cfgs[name], own, steps=args.steps)
+            say(f"[{tag}] replayed on the run's own profile: {rep.predict_line()}")
+            say(f"[{tag}] the run's own profile against the profile: {drift(profile, own)}")
+            runs[name].append((m, {k: getattr(rep, k) for k in KEYS}))
+    results = []
+    for name in names:
+        if not runs[name]:
             continue
-        wall = time.perf_counter() - t0
-        m = measured(work / name / "profile")
-        how = f"wall {wall:.0f}s, load {before} -> {load()}" if not args.reuse else "reused"
-        say(f"[{name}] measured: " + " ".join(f"{k}={m.get(k, float('nan')):.4f}" for k in KEYS)
-            + f"  ({m['steps']} steps, {how})")  # fmt: skip
-        trainer = dataclasses.replace(profile.trainer, run_level=1.0)
-        own = profile_from_run(cfg, work / name, trainer=trainer)
-        # a run's profile measures no core use: the profile's (how a lone replica uses them)
-        own.rollout.device_busy = profile.rollout.device_busy
-        rep = predict(cfg, own, steps=args.steps)
-        say(f"[{name}] replayed on the run's own profile: {rep.predict_line()}")
-        results.append((name, {k: getattr(pred, k) for k in KEYS}, m,
-                        {k: getattr(rep, k) for k in KEYS}))  # fmt: skip
+        med = lambda rows, k: statistics.median(row[k] for row in rows)  # noqa: E731
+        ms = [m for m, _ in runs[name]]
+        reps = [rep for _, rep in runs[name]]
+        results.append((name, {k: getattr(preds[name], k) for k in KEYS},
+                        {k: med(ms, k) for k in KEYS}, {k: med(reps, k) for k in KEYS}))  # fmt: skip
+    if args.repeat > 1:
+        say()
+        say(f"measured: the median of {args.repeat} runs of each configuration "
+            f"(step_s per run: " + "; ".join(
+                f"{n} " + " ".join(f"{m['step_s']:.3f}" for m, _ in runs[n]) for n in names
+            ) + ")")  # fmt: skip
 
     for title, col in (("predicted from the profile, before the run", 1),
                        ("replayed on the run's own profile, after it", 3)):  # fmt: skip
@@ -201,6 +228,24 @@ def main() -> int:
     _plot(results, plot_path, "GPU" if args.gpu else "CPU")
     say(f"plot: {plot_path}")
     return 0
+
+
+def drift(profile, own) -> str:
+    """Where a run's own profile differs from the profile the prediction used: what to
+    look at when predicted and replayed disagree (the machine changed, not the model)."""
+    t, u = profile.trainer, own.trainer
+    cs = [c for c in own.rollout.concurrency if c >= 1]
+    ratios = sorted(own.rollout.rate(c) / max(profile.rollout.rate(c), 1e-9) for c in cs)
+    mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
+    return (
+        f"trainer level x{u.run_level / t.run_level:.2f}, "
+        f"overhead {u.overhead_s:.3f}/{t.overhead_s:.3f} s; "
+        f"rollout tok/s x{statistics.median(ratios) if ratios else float('nan'):.2f} "
+        f"(median over {len(cs)} points, {min(cs, default=0):g}..{max(cs, default=0):g} in "
+        f"flight); response mean {mean(own.rollout.response_lengths):.1f}/"
+        f"{mean(profile.rollout.response_lengths):.1f}; "
+        f"sync {own.sync.sync_s():.4f}/{profile.sync.sync_s():.4f} s (run/profile)"
+    )
 
 
 def against_measured(args) -> int:
