@@ -259,10 +259,14 @@ def against_measured(args) -> int:
     profile = Profile.load(args.profile)
     if args.device_busy is not None:
         profile.rollout.device_busy = args.device_busy
-    found = {
-        m[1]: {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", m[2])}
-        for m in re.finditer(r"^\[(\w+)\] measured: (.*)$", Path(args.measured).read_text(), re.M)
-    }  # fmt: skip
+    # "[name] measured: ..." or, from --repeat, "[name-2] measured: ...": the median
+    runs: dict[str, list[dict[str, float]]] = {}
+    text = Path(args.measured).read_text()
+    for m in re.finditer(r"^\[([a-z0-9_]+?)(?:-\d+)?\] measured: (.*)$", text, re.M):
+        runs.setdefault(m[1], []).append(
+            {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", m[2])}
+        )
+    found = {n: {k: statistics.median(r[k] for r in rs) for k in KEYS} for n, rs in runs.items()}
     print(f"# python benchmarks/planner_calibration.py {' '.join(sys.argv[1:])}")
     print(f"# the simulator as committed, on {args.profile}, against the figures measured in "
           f"{args.measured} (predicted before those runs: see that file)")  # fmt: skip

@@ -3,6 +3,8 @@ real ReplayBuffer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from offbeat.planner import (
@@ -213,3 +215,40 @@ def test_a_curve_measured_on_shared_cores_has_the_sharing_in_it():
 def test_replica_devices_names_one_device_per_replica():
     with pytest.raises(ValueError, match="replica_devices"):
         config(replicas=2, replica_devices=(0,))
+
+
+def test_a_contended_trainer_runs_at_its_alone_speed_while_no_replica_decodes():
+    # The profile's trainer level (2) was measured with the rollout decoding beside it.
+    # sync: the rollout is idle while it trains, so the phase takes 2 x 0.25 / 2; without
+    # `contended` (separate hardware) the level holds throughout: 2 x 0.25.
+    L, R, U = 5, 2000.0, 0.25
+    gen = 32 * 8 * L / R
+    for contended, train in ((True, 2 * U / 2), (False, 2 * U)):
+        p = profile(rate=R, lengths=[L], update_s=U / 2)
+        p.trainer.run_level, p.trainer.contended = 2.0, contended
+        r = simulate(config(mode="sync"), p)
+        assert r.step_s == pytest.approx(gen + train, rel=1e-6), contended
+        assert r.steps[-1].train_s == pytest.approx(train, rel=1e-6), contended
+
+
+def test_a_contended_trainer_beside_a_decoding_rollout_runs_at_the_run_level():
+    # async with the rollout always decoding (a slow replica, long responses): the
+    # trainer is at the run's level all through its phase.
+    p = profile(rate=50.0, lengths=[1000], update_s=0.1)
+    p.trainer.run_level, p.trainer.contended = 3.0, True
+    r = simulate(config(steps=3), p)
+    # Step 1 takes the warm-up batch, the second one ended with it and the bound admits no
+    # third before the first sync: nothing decodes, the trainer is alone. From step 2 on,
+    # the next batch decodes (5120 s of it) all through the train phase.
+    assert [s.train_s for s in r.steps] == pytest.approx([0.2, 0.6, 0.6], rel=1e-6)
+
+
+def test_a_profile_without_the_contended_field_takes_it_from_its_job():
+    for job, expected in (
+        ({"device": "cpu"}, True),
+        ({"device": "cuda", "overrides": ["runtime.share_trainer_gpu=true"]}, True),
+        ({"device": "cuda", "overrides": []}, False),
+    ):
+        raw = json.loads(Profile(job=job).to_json())
+        del raw["trainer"]["contended"]
+        assert Profile.from_dict(raw).trainer.contended is expected, job

@@ -391,6 +391,7 @@ def profile_from_run(cfg: Any, work: Path, trainer: TrainerProfile | None = None
         rows_mb = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
         per_mb = statistics.fmean(e["dur"] for e in mb) / 1e6
         trainer.run_level = per_mb / trainer.update_s(rows_mb, width)
+        trainer.contended = cfg.resources.device == "cpu" or bool(cfg.runtime.share_trainer_gpu)
         trainer.overhead_s = max(0.0, statistics.fmean(train) - pss * per_mb)
 
     return Profile(

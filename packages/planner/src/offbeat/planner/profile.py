@@ -85,6 +85,12 @@ class TrainerProfile:
     # The points give the shape against sequence length; the short run gives the level:
     # its updates' seconds over the points' at the run's padded length (1: as measured).
     run_level: float = 1.0
+    # True when the short run's trainer shared its hardware with the replicas (CPU cores of
+    # one machine, or one GPU: runtime.share_trainer_gpu): its level was measured with
+    # the rollout decoding beside it, and the points were measured alone. The simulator
+    # then trains at the points' own speed while no replica decodes (sync mode, a wait)
+    # and at `run_level` while one does.
+    contended: bool = False
 
     def _per_row(self, seq_len: float, what: str) -> float:
         """Seconds per row at `seq_len`: a least-squares line a + b x seq_len through the
@@ -227,6 +233,11 @@ class Profile:
             raise ValueError(f"profile schema={d.get('schema')!r}: expected {SCHEMA!r}")
         t = dict(d.get("trainer", {}))
         t["points"] = [TrainerPoint(**p) for p in t.get("points", [])]
+        if "contended" not in t:  # a profile written before the field: from its job
+            job = d.get("job", {})
+            t["contended"] = job.get("device") == "cpu" or (
+                "runtime.share_trainer_gpu=true" in job.get("overrides", [])
+            )
         return cls(
             trainer=TrainerProfile(**t),
             rollout=RolloutProfile(**d.get("rollout", {})),

@@ -413,6 +413,24 @@ class _Sim:
             seconds += tp.forward_s(len(groups) * c.n, seq_len, c.trainer_devices)
         return seconds
 
+    def _train_for(self, seconds: float) -> None:
+        """Let the train phase of `seconds` (at the profile's run level) go by. A contended
+        trainer (`TrainerProfile.contended`) was measured at that level with the rollout
+        decoding beside it: while no replica decodes it runs `run_level` times faster."""
+        level = self.p.trainer.run_level
+        if not self.p.trainer.contended or level <= 1.0:
+            self.wait_for(seconds)
+            return
+        left = seconds / level  # the phase in seconds of the trainer alone
+        while left > _EPS * max(1.0, seconds):
+            self._feed()
+            decoding = not self.paused and any(r.heap for r in self._active())
+            rate = 1.0 / level if decoding else 1.0
+            dt = min(self._next_completion(), left / rate)
+            self._advance(dt)
+            left -= dt * rate
+            self._pop_done()
+
     def _val_done(self) -> bool:
         return self.val is None or self.val.left == 0
 
@@ -449,7 +467,9 @@ class _Sim:
             train_s = self._train_s(batch)
             for g in batch:
                 self.groups.pop(g.uid, None)
-            self.wait_for(train_s)
+            t0 = self.t
+            self._train_for(train_s)
+            train_s = self.t - t0
             t0 = self.t
             if self.val is not None:  # the last validation sees only its own version
                 self.wait_until(self._val_done)
