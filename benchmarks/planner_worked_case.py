@@ -156,17 +156,22 @@ def colocated(devices: int, profile: Profile, steps: int, max_tokens: int = MAX_
 
 
 def best_async(devices: int, profile: Profile, steps: int, max_tokens: int = MAX_RESPONSE):
-    """verl's half-and-half split, and the fastest of a coarse sweep (a full `offbeat plan`
-    sweep at 128 GPUs is slow in pure Python): trainer 1/2 or 1/4 of the GPUs, the rest
-    TP4 replicas, drop t=2 (one batch ahead; verl's staleness 0.5 lies between t=1 and
-    t=2). Returns (half-and-half, best)."""
+    """verl's half-and-half split at drop t=2 and t=4, and the fastest of a coarse sweep (a
+    full `offbeat plan` sweep at 128 GPUs is slow in pure Python): trainer 1/2, 3/8 or 1/4
+    of the GPUs, the rest TP4 replicas, drop at t=2 or t=4. Returns (half-and-half t=2,
+    half-and-half t=4, best).
+
+    Why t=4 too: at these lengths a response of the tail decodes for several steps (28672
+    tokens at ~35 tok/s a sequence in a full batch), and `drop` at t=2 evicts it, work
+    thrown away, where verl's partial rollout keeps it; at t=4 nothing is evicted here."""
     cands = [
-        Candidate("separate_async", td, (devices - td) // TP, TP, 2, "drop", 1)
-        for td in (devices // 2, devices // 4)
+        Candidate("separate_async", td, (devices - td) // TP, TP, t, "drop", 1)
+        for t in (2, 4)
+        for td in (devices // 2, 3 * devices // 8, devices // 4)
     ]
-    half = cands[0]
     ranked = rank(base(steps, max_tokens), cands, profile)
-    return half, ranked[0]
+    half2, half4 = cands[0], cands[3]
+    return half2, half4, ranked[0]
 
 
 def main() -> int:
@@ -190,8 +195,8 @@ def main() -> int:
           f"(mean response {sum(prof.rollout.response_lengths) / len(prof.rollout.response_lengths):.0f})")  # fmt: skip
     print(
         "| GPUs | colocated step_s (gen / train) | verl's colocated step_s (gen / old_log_prob "
-        "+ update) | async half:half step_s | speed-up | best split | step_s | speed-up "
-        "| verl's speed-up |"
+        "+ update) | async half:half t=2: step_s, speed-up (evicted) | half:half t=4 | best "
+        "split | step_s | speed-up | verl's speed-up |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in map(int, args.gpus.split(",")):
@@ -199,12 +204,15 @@ def main() -> int:
         w = col._window()
         gen = sum(s.wait_s for s in w) / len(w)
         train = sum(s.train_s for s in w) / len(w)
-        half, b = best_async(n, prof, args.steps)
+        half2, half4, b = best_async(n, prof, args.steps)
         v = VERL_COLOCATED[n]
+        cell = lambda c, col=col: (f"{c.result.step_s:.0f}, {col.step_s / c.result.step_s:.2f}x "  # noqa: E731
+                          f"({c.result.counts['evicted']})")  # fmt: skip
         print(f"| {n} | {col.step_s:.0f} ({gen:.0f} / {train:.0f}) | {v[0]:.0f} ({v[1]:.0f} / "
-              f"{v[2] + v[3]:.0f}) | {half.result.step_s:.0f} | {col.step_s / half.result.step_s:.2f}x "
-              f"| {b.trainer_devices} train + {b.replicas} x TP{TP} | {b.result.step_s:.0f} | "
-              f"{col.step_s / b.result.step_s:.2f}x | {VERL_SPEEDUP[n]} |", flush=True)  # fmt: skip
+              f"{v[2] + v[3]:.0f}) | {cell(half2)} | {cell(half4)} "
+              f"| {b.trainer_devices} train + {b.replicas} x TP{TP}, t={b.threshold} | "
+              f"{b.result.step_s:.0f} | {col.step_s / b.result.step_s:.2f}x | {VERL_SPEEDUP[n]} |",
+              flush=True)  # fmt: skip
     if args.ablations:
         print("\nwhat decides it (64 GPUs, half:half, one input changed at a time):")
         for label, prof2, cap in (
@@ -215,8 +223,8 @@ def main() -> int:
             per_tok = trainer_s_per_token(prof2.rollout.response_lengths)
             label += f" [trainer at {implied_mfu(per_tok):.0%} of H20 peak]"
             col = colocated(64, prof2, args.steps, cap)
-            half, _ = best_async(64, prof2, args.steps, cap)
-            print(f"  {label}: colocated {col.step_s:.0f}s, async {half.result.step_s:.0f}s: "
+            _, half, _ = best_async(64, prof2, args.steps, cap)
+            print(f"  {label}: colocated {col.step_s:.0f}s, async t=4 {half.result.step_s:.0f}s: "
                   f"{col.step_s / half.result.step_s:.2f}x", flush=True)  # fmt: skip
     print(f"# {time.perf_counter() - t0:.0f}s of simulation")
     return 0
