@@ -138,7 +138,7 @@ def main() -> int:
         t0 = time.perf_counter()
         path = Path(args.out).with_name(Path(args.out).stem + "_profile.json")
         subprocess.run(
-            [*OFFBEAT, "profile", "separate_async", "--out", str(path), *base], check=True
+            [*OFFBEAT, "profile", "separate_async", *base, "--out", str(path)], check=True
         )
         say(f"profile: offbeat profile separate_async -> {path} "
             f"({time.perf_counter() - t0:.0f}s, "

@@ -45,3 +45,26 @@ def test_each_slot_has_its_own_backend_and_sender():
     rank.abort_send("done", "rollout")
     rank.close_backend()
     assert rank._backends == {}
+
+
+def test_a_drop_during_the_send_reaches_the_sender():
+    """The manager drops a receiver whose health probe failed while rank 0 is sending (on
+    another of the rank's threads): the send stops waiting for it and ends at once, not
+    after the receiver's connect timeout."""
+    import time
+
+    rank = TrainerRank(0, 1)
+    rank.engine = OneTensor()
+    kwargs = {**open_kwargs(1), "timeout_s": 60.0}
+    rank.open_sender("shm", {}, kwargs, "rollout")
+    result = {}
+    send = threading.Thread(target=lambda: result.update(r=rank.send_weights("rollout")))
+    t0 = time.monotonic()
+    send.start()  # receiver 0 never connects: its engine is dead
+    time.sleep(0.3)
+    rank.drop_receiver(0, "health check: EngineDeadError", "rollout")
+    send.join(20)
+    assert not send.is_alive() and time.monotonic() - t0 < 20
+    assert result["r"].failed == {0: "health check: EngineDeadError"}
+    assert "rollout" not in rank._senders  # the send is over: the slot's sender is gone
+    rank.close_backend()

@@ -111,3 +111,14 @@ def test_offbeat_profile_writes_a_profile_plan_reads(faked_job, tmp_path, capsys
 def test_offbeat_profile_needs_two_steps():
     with pytest.raises(SystemExit, match="--steps=1"):
         cli_main(["profile", "separate_async", "--steps", "1"])
+
+
+def test_overrides_after_an_option_are_taken_and_a_stray_option_is_refused(faked_job, tmp_path):
+    out = tmp_path / "p.json"
+    argv = ["profile", "separate_async", "--out", str(out), "--steps", str(STEPS), "actor.lr=0.002"]
+    assert cli_main(argv) == 0
+    p = Profile.load(out)
+    assert "actor.lr=0.002" in p.job["overrides"]
+    assert p.trainer.contended  # a CPU job: the trainer shares the machine with the replica
+    with pytest.raises(SystemExit):
+        cli_main(["check", "separate_async", "--no-such-option"])

@@ -135,7 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     from offbeat.core.config import ConfigError
 
     quiet_progress_bars_off_a_terminal()
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after an option (`offbeat profile R --out P a.b=1`): argparse gives the
+    # positional list what came before the option and leaves the rest over.
+    if (
+        extra
+        and hasattr(args, "overrides")
+        and all("=" in x and not x.startswith("-") for x in extra)
+    ):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         _parser().print_help()
         return 0

@@ -202,12 +202,17 @@ class TrainerRank:
             for _ in stream:
                 pass
             return None
-        sender = self._senders.pop(slot, None)
+        sender = self._senders.get(slot)
         if sender is None:
             raise RuntimeError(f"send_weights on rank 0 without an open sender ({slot})")
         try:
+            # The sender stays reachable while it sends: the manager's drop (a receiver
+            # whose health probe failed) and abort arrive on another of this rank's
+            # threads, during the send, and find it under `slot`.
             return sender.send(stream)
         finally:
+            if self._senders.get(slot) is sender:
+                del self._senders[slot]
             for _ in stream:
                 pass
 
