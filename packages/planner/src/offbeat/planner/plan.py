@@ -149,7 +149,7 @@ class PlanRequest:
     devices: int
     nodes: int = 1
     modes: tuple[str, ...] = ("sync", "separate_async")
-    thresholds: tuple[int, ...] = (1, 2, 3)
+    thresholds: tuple[int, ...] = (1, 2, 3, 4)
     strategies: tuple[str, ...] = ("drop", "wait")
     tp_choices: tuple[int, ...] = TP_CHOICES
     steps: int = 10
