@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.registry import (
     ADV_ESTIMATORS,
@@ -23,6 +23,9 @@ from offbeat.core.registry import (
     TRAIN_ENGINES,
     Registry,
 )
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["ConfigError", "Problem", "Problems", "check", "validate"]
 
@@ -99,7 +102,7 @@ class Problems:
         return True
 
 
-Check = Callable[[Any, Problems], None]
+Check = Callable[["JobConfig", Problems], None]
 _CHECKS: list[Check] = []
 
 
@@ -110,8 +113,9 @@ def check(fn: Check) -> Check:
     return fn
 
 
-def validate(cfg: Any) -> None:
-    """Run every rule on `cfg` (a `JobConfig` or an OmegaConf DictConfig of one).
+def validate(cfg: JobConfig) -> None:
+    """Run every rule on `cfg` (a `JobConfig`, a recipe's subclass of it, or an OmegaConf
+    DictConfig of one: the rules only read attributes).
 
     Raises one `ConfigError` listing every problem; returns None when all rules pass.
     """
@@ -127,7 +131,7 @@ def validate(cfg: Any) -> None:
 
 
 @check
-def _resources(cfg: Any, p: Problems) -> None:
+def _resources(cfg: JobConfig, p: Problems) -> None:
     r, tp = cfg.resources, cfg.rollout.tensor_parallel_size
     # resources.device (registered, its plugin loads, present here): see support.py.
     ok = [
@@ -159,7 +163,7 @@ def _resources(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _batch_sizes(cfg: Any, p: Problems) -> None:
+def _batch_sizes(cfg: JobConfig, p: Problems) -> None:
     tb, a, pss = cfg.data.train_batch_size, cfg.actor, cfg.async_training.parameter_sync_step
     ok = [
         p.require_int("data.train_batch_size", tb),
@@ -192,7 +196,7 @@ def _batch_sizes(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _async(cfg: Any, p: Problems) -> None:
+def _async(cfg: JobConfig, p: Problems) -> None:
     s = cfg.async_training
     p.require_int("async_training.max_off_policy_threshold", s.max_off_policy_threshold)
     p.require_choice(
@@ -202,7 +206,7 @@ def _async(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _registry_names(cfg: Any, p: Problems) -> None:
+def _registry_names(cfg: JobConfig, p: Problems) -> None:
     al = cfg.algorithm
     p.require_registered("actor.engine", cfg.actor.engine, TRAIN_ENGINES)
     if p.require_registered("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES):
@@ -220,7 +224,7 @@ def _registry_names(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _algorithm(cfg: Any, p: Problems) -> None:
+def _algorithm(cfg: JobConfig, p: Problems) -> None:
     al, a = cfg.algorithm, cfg.actor
     p.require_choice("algorithm.old_log_prob_source", al.old_log_prob_source, OLD_LOG_PROB_SOURCES)
     level_ok = p.require_choice(
@@ -256,7 +260,7 @@ def _algorithm(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _rollout(cfg: Any, p: Problems) -> None:
+def _rollout(cfg: JobConfig, p: Problems) -> None:
     ro = cfg.rollout
     p.require_int("rollout.n", ro.n)
     p.require_int("rollout.max_tokens", ro.max_tokens)
@@ -273,7 +277,7 @@ PD_CONNECTORS = ("shared_storage",)
 
 
 @check
-def _rollout_pd(cfg: Any, p: Problems) -> None:
+def _rollout_pd(cfg: JobConfig, p: Problems) -> None:
     pd = getattr(cfg.rollout, "pd", None)
     if pd is None:
         return
@@ -325,7 +329,7 @@ def _rollout_pd(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _model_and_trainer(cfg: Any, p: Problems) -> None:
+def _model_and_trainer(cfg: JobConfig, p: Problems) -> None:
     if not isinstance(cfg.model.path, str) or not cfg.model.path.strip():
         p.add("model.path", cfg.model.path, "must name a model (a HF model directory)")
     t = cfg.trainer
@@ -340,7 +344,7 @@ def _model_and_trainer(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _max_restarts(cfg: Any, p: Problems) -> None:
+def _max_restarts(cfg: JobConfig, p: Problems) -> None:
     t = cfg.trainer
     n = getattr(t, "max_restarts", None)
     if n is None:
@@ -364,7 +368,7 @@ def _max_restarts(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _verbose(cfg: Any, p: Problems) -> None:
+def _verbose(cfg: JobConfig, p: Problems) -> None:
     if not isinstance(cfg.trainer.verbose, bool):
         p.add(
             "trainer.verbose",
@@ -375,7 +379,7 @@ def _verbose(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _logprob_drift_warn(cfg: Any, p: Problems) -> None:
+def _logprob_drift_warn(cfg: JobConfig, p: Problems) -> None:
     value = cfg.trainer.logprob_drift_warn
     ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
     if value is not None and not ok:
@@ -388,7 +392,7 @@ def _logprob_drift_warn(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _stall_timeout(cfg: Any, p: Problems) -> None:
+def _stall_timeout(cfg: JobConfig, p: Problems) -> None:
     value = cfg.trainer.stall_timeout_s
     ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
     if value is not None and not ok:
@@ -427,7 +431,7 @@ def _stall_timeout(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _trace(cfg: Any, p: Problems) -> None:
+def _trace(cfg: JobConfig, p: Problems) -> None:
     t = cfg.trainer
     if not isinstance(t.trace, bool):
         p.add("trainer.trace", t.trace, "must be true (trace every step) or false")

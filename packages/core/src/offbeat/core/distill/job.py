@@ -136,7 +136,7 @@ def teacher_replacements(
         job = teacher_job(cfg, d, name)
         placed = pools is not None and teacher_pool(name) in pools.groups
 
-        def spec(i: int, new_id: str, job: Any = job, name: str = name, placed=placed) -> Any:
+        def spec(i: int, new_id: str, job: RunConfig = job, name: str = name, placed=placed) -> Any:
             opts = {"scheduling_strategy": pools.strategy(teacher_pool(name), i)} if placed else {}
             return ReplicaSpec(job, str(model_dirs[name]), i, server_id=new_id, ray_options=opts)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.rollout.recording import (
@@ -26,6 +26,9 @@ from offbeat.core.rollout.recording import (
     tokenizer_digest,
     verify_files,
 )
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__: list[str] = []
 
@@ -43,7 +46,7 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 @check
-def _record(cfg: Any, p: Problems) -> None:
+def _record(cfg: JobConfig, p: Problems) -> None:
     rec = getattr(cfg.rollout, "record", None)
     if rec is None:
         return
@@ -94,7 +97,7 @@ def _record(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _replay(cfg: Any, p: Problems) -> None:
+def _replay(cfg: JobConfig, p: Problems) -> None:
     rp = getattr(cfg.rollout, "replay", None)
     if rp is None:
         return
@@ -137,7 +140,7 @@ def _replay(cfg: Any, p: Problems) -> None:
     _same_vocabulary(cfg, ident, p)
 
 
-def _same_vocabulary(cfg: Any, ident: dict[str, Any], p: Problems) -> None:
+def _same_vocabulary(cfg: JobConfig, ident: dict[str, Any], p: Problems) -> None:
     """Compare the tokenizer when it loads offline (see offbeat.core.tasks.checks)."""
     from offbeat.core.tasks.checks import _load_tokenizer
 

@@ -20,9 +20,12 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.data import TrajectoryBatch
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = [
     "FORMAT",
@@ -129,7 +132,7 @@ def identity_mismatches(recorded: dict[str, Any], current: dict[str, Any]) -> li
     ]
 
 
-def config_digest(cfg: Any) -> str:
+def config_digest(cfg: JobConfig) -> str:
     """sha256 of the job config without its record/replay sections (for the manifest)."""
     d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
     rollout = dict(d.get("rollout", {}))

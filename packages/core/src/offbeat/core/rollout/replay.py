@@ -31,7 +31,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.data import Trajectory
 from offbeat.core.rollout.recording import (
@@ -47,6 +47,9 @@ from offbeat.core.rollout.recording import (
     run_identity,
     verify_files,
 )
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
 
 __all__ = [
     "MARKER",
@@ -282,7 +285,7 @@ class RecordReplay:
 
 
 def attach(
-    cfg: Any,
+    cfg: RunConfig,
     *,
     model: str,
     model_dir: str | Path,

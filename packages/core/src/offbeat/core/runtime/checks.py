@@ -10,9 +10,12 @@ hold the pools is known only once Ray is up: `ResourcePools.create` says so then
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 
 def _positive(p: Problems, key: str, value: Any) -> None:
@@ -21,7 +24,7 @@ def _positive(p: Problems, key: str, value: Any) -> None:
 
 
 @check
-def _trainer_group_rules(cfg: Any, p: Problems) -> None:
+def _trainer_group_rules(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None:
         return
@@ -66,7 +69,7 @@ def _trainer_group_rules(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _hybrid_replica_rules(cfg: Any, p: Problems) -> None:
+def _hybrid_replica_rules(cfg: JobConfig, p: Problems) -> None:
     """`trainer.validate_on_trainer_devices` against the resource split: hybrid replicas
     live in the trainer pool, one per trainer rank, beside it."""
     rt, t = getattr(cfg, "runtime", None), cfg.trainer
@@ -135,7 +138,7 @@ def _hybrid_replica_rules(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _replacement_rules(cfg: Any, p: Problems) -> None:
+def _replacement_rules(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None:
         return

@@ -13,7 +13,7 @@ configured from `critic.*`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from offbeat.core.train import _sharding
 from offbeat.core.train.engine import LossFn, batch_field, register_critic_engine
 from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine
 from offbeat.core.train.optim import OptimConfig
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = [
     "FSDP2CriticEngine",
@@ -40,7 +43,7 @@ class ValueLossConfig:
     horizon: float | None = None  # as PPOLossConfig.horizon (seq-mean-token-sum-norm)
 
     @classmethod
-    def from_job_config(cls, job: Any) -> ValueLossConfig:
+    def from_job_config(cls, job: JobConfig) -> ValueLossConfig:
         return cls(
             cliprange_value=job.critic.cliprange_value,
             loss_agg_mode=job.algorithm.loss_agg_mode,
@@ -100,7 +103,7 @@ def build_value_model(
     return model
 
 
-def critic_engine_config(job: Any) -> FSDP2Config:
+def critic_engine_config(job: JobConfig) -> FSDP2Config:
     """The critic's FSDP2 settings from `critic.*` (its own optimizer and LR schedule: the
     horizon is total_training_steps × parameter_sync_step × critic.ppo_epochs updates)."""
     c = job.critic
@@ -137,7 +140,7 @@ class FSDP2CriticEngine(FSDP2TrainEngine):
 
     @classmethod
     def from_job_config(  # type: ignore[override]
-        cls, job: Any, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
+        cls, job: JobConfig, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
     ) -> FSDP2CriticEngine:
         return cls(
             critic_engine_config(job),

@@ -24,12 +24,15 @@ to the calling rank:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from offbeat.core.algorithms import LossNormalizer
 from offbeat.core.registry import TRAIN_ENGINES
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = [
     "TRAIN_ENGINES",
@@ -157,7 +160,7 @@ def build_train_engine(name: str, *args: Any, **kwargs: Any) -> TrainEngine:
     return TRAIN_ENGINES.get(name)(*args, **kwargs)
 
 
-def build_actor_engine(job: Any, **kwargs: Any) -> TrainEngine:
+def build_actor_engine(job: JobConfig, **kwargs: Any) -> TrainEngine:
     """The policy's engine for a `offbeat.core.config.JobConfig`: the class registered
     under `job.actor.engine`, built by its `from_job_config(job, **kwargs)`."""
     return TRAIN_ENGINES.get(job.actor.engine).from_job_config(job, **kwargs)
@@ -186,7 +189,7 @@ def critic_engine(name: str) -> type | None:
     return _CRITICS.get(name)
 
 
-def build_critic_engine(job: Any, **kwargs: Any) -> Any:
+def build_critic_engine(job: JobConfig, **kwargs: Any) -> Any:
     """The critic (value model) for a JobConfig: the class registered for
     `job.critic.engine` (`register_critic_engine`), built by its
     `from_job_config(job, **kwargs)`; it offers `compute_values(batch) -> [B, R]`,
@@ -197,7 +200,7 @@ def build_critic_engine(job: Any, **kwargs: Any) -> Any:
     return cls.from_job_config(job, **kwargs)
 
 
-def build_reference_engine(job: Any, **kwargs: Any) -> TrainEngine:
+def build_reference_engine(job: JobConfig, **kwargs: Any) -> TrainEngine:
     """The frozen reference policy for a JobConfig: the class registered under
     `job.actor.engine`, built by its `reference_from_job_config(job, **kwargs)`; only its
     `compute_log_probs` is used."""

@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from offbeat.core.train.loss import (
     PPOLossConfig,
 )
 from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["FSDP2Config", "FSDP2TrainEngine", "hf_name"]
 
@@ -120,7 +123,7 @@ class FSDP2Config:
         self.optim.validate(f"{prefix}.optim")
 
     @classmethod
-    def from_job_config(cls, job: Any) -> FSDP2Config:
+    def from_job_config(cls, job: JobConfig) -> FSDP2Config:
         """The actor's engine config from a `offbeat.core.config.JobConfig`: the LR horizon
         is total_training_steps x parameter_sync_step x ppo_epochs mini-batch updates."""
         a = job.actor
@@ -179,7 +182,7 @@ class FSDP2TrainEngine:
 
     @classmethod
     def from_job_config(
-        cls, job: Any, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
+        cls, job: JobConfig, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
     ) -> FSDP2TrainEngine:
         """The actor engine of a JobConfig, with its PPO loss (see `PPOLossConfig`)."""
         if loss_fn is None:
@@ -187,7 +190,7 @@ class FSDP2TrainEngine:
         return cls(FSDP2Config.from_job_config(job), loss_fn=loss_fn, model=model)
 
     @classmethod
-    def reference_from_job_config(cls, job: Any, *, model: nn.Module | None = None) -> Any:
+    def reference_from_job_config(cls, job: JobConfig, *, model: nn.Module | None = None) -> Any:
         """The frozen reference policy of a JobConfig: the actor's initial model and engine
         settings (it is only ever asked for log-probs), `ref.*` micro-batches and offload."""
         config = dataclasses.replace(

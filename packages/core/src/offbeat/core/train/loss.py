@@ -12,7 +12,7 @@ mode changes the loss mask, and the normaliser must count the final mask).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from offbeat.core.algorithms import (
     topk_forward_kl,
 )
 from offbeat.core.train.engine import batch_field
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = [
     "STUDENT_TOPK_LOG_PROBS",
@@ -103,7 +106,7 @@ class PPOLossConfig:
             raise ValueError(f"{prefix}.clip_ratio_high={self.clip_ratio_high!r}: must be >= 0")
 
     @classmethod
-    def from_job_config(cls, job: Any) -> PPOLossConfig:
+    def from_job_config(cls, job: JobConfig) -> PPOLossConfig:
         """From a `offbeat.core.config.JobConfig` (actor clip ratios, algorithm section,
         rollout.max_tokens as the horizon; an OPD job's `distillation` section with
         `loss=topk_forward_kl` sets `topk_kl_coef` to its `kl_coef`)."""

@@ -8,11 +8,14 @@ rollout or weight sync. Every method here blocks: the trainer runs them in worke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from offbeat.core.algorithms import compute_advantages, explained_variance, masked_mean
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["Critic"]
 
@@ -34,7 +37,7 @@ class Critic:
         self.ppo_epochs = ppo_epochs
 
     @classmethod
-    def from_job(cls, cfg: Any, engine: Any = None) -> Critic:
+    def from_job(cls, cfg: JobConfig, engine: Any = None) -> Critic:
         if engine is None:
             from offbeat.core.train import build_critic_engine
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from offbeat.core import compat
-from offbeat.core.agent.loops import AgentConfig
 from offbeat.core.config import JobConfig
+from offbeat.core.config.run import RunConfig
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.cpus import machine_cpus, pin_process
 from offbeat.core.device import current_device
@@ -50,30 +50,17 @@ from offbeat.core.runtime.launch import (
 )
 from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
-from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import extension as ext
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, start_hybrid_replicas
 from offbeat.core.trainer.extension import JobExtension
-from offbeat.core.trainer.warm_start import WarmStartConfig
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RunConfig(JobConfig):
-    """A job config plus what the embedded default needs: a synthetic task when no
-    dataset is given, a brief warm start, and runtime knobs."""
-
-    task: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-
-
 # ---- validation rules this module adds (run by offbeat.core.config.validate) -----------
 @check
-def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
+def _offbeat_trainer_rules(cfg: JobConfig, p: Problems) -> None:
     s = cfg.async_training
     if (
         cfg.trainer.mode == "separate_async"
@@ -130,7 +117,7 @@ def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _offbeat_placement_rules(cfg: Any, p: Problems) -> None:
+def _offbeat_placement_rules(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None or not rt.rollout_cpus:
         return

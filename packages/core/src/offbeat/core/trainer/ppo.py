@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from offbeat.core.algorithms import compute_advantages, sequence_to_token_reward
 from offbeat.core.metrics import MetricsAggregator
 from offbeat.core.trainer.critic import Critic
 from offbeat.core.trainer.reference import Reference
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["CriticAndReference"]
 
@@ -50,7 +53,7 @@ class CriticAndReference:
 
     @classmethod
     def from_job(
-        cls, cfg: Any, *, critic_engine: Any = None, reference_engine: Any = None
+        cls, cfg: JobConfig, *, critic_engine: Any = None, reference_engine: Any = None
     ) -> CriticAndReference | None:
         """The job's critic (when the estimator needs one) and reference (when a KL term
         reads it); None when it needs neither."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from offbeat.core.algorithms import (
     kl_penalty,
     masked_mean,
 )
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["KLSettings", "Reference", "weights_fingerprint"]
 
@@ -47,7 +50,7 @@ class KLSettings:
     horizon: int = 10000
 
     @classmethod
-    def from_job(cls, cfg: Any) -> KLSettings:
+    def from_job(cls, cfg: JobConfig) -> KLSettings:
         al = cfg.algorithm
         k = al.kl_ctrl
         return cls(
@@ -88,7 +91,7 @@ class Reference:
         self._fingerprint: list[float] | None = None
 
     @classmethod
-    def from_job(cls, cfg: Any, engine: Any = None) -> Reference:
+    def from_job(cls, cfg: JobConfig, engine: Any = None) -> Reference:
         if engine is None:
             from offbeat.core.train import build_reference_engine
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from offbeat.core.runtime.group import TrainerRankFailed
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["AUTO_RESTARTS", "max_restarts", "restart_cause", "run_with_restarts"]
 
@@ -32,7 +35,7 @@ AUTO_RESTARTS = 2  # trainer.max_restarts=null with checkpoints mid-run (see the
 C = TypeVar("C")
 
 
-def max_restarts(cfg: Any) -> int:
+def max_restarts(cfg: JobConfig) -> int:
     """`trainer.max_restarts`, or when null: `AUTO_RESTARTS` with checkpoints mid-run
     (`trainer.save_freq > 0`), else 0."""
     t = cfg.trainer

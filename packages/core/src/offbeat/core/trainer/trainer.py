@@ -31,7 +31,7 @@ import resource
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +54,9 @@ from offbeat.core.trainer.rollout import RolloutDriver
 from offbeat.core.trainer.tracking import MetricsTracker
 from offbeat.core.trainer.validation import Validator
 from offbeat.core.trainer.watchdog import StallWatchdog
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ class TrainerSettings:
     logprob_drift_warn: float | None = DRIFT_WARN_DEFAULT
 
     @classmethod
-    def from_job(cls, cfg: Any, *, pad_token_id: int = 0) -> TrainerSettings:
+    def from_job(cls, cfg: JobConfig, *, pad_token_id: int = 0) -> TrainerSettings:
         return cls(
             mode=cfg.trainer.mode,
             total_training_steps=cfg.trainer.total_training_steps,

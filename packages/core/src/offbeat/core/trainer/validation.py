@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core import progress
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 
 class Validator:
@@ -40,7 +43,7 @@ class Validator:
 
     @classmethod
     def from_job(
-        cls, cfg: Any, agent: SingleTurnAgentLoop, rows: Sequence[Mapping[str, Any]]
+        cls, cfg: JobConfig, agent: SingleTurnAgentLoop, rows: Sequence[Mapping[str, Any]]
     ) -> Validator | None:
         """The job's validator (`data.val_batch_size` prompts in flight at once), or None
         when there are no rows or the job never validates."""
