@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
-from trainer_fakes import FakeTokenizer, Harness, check_accounting, make_settings
+from trainer_fakes import FakeTokenizer, Harness, check_accounting
 
 from offbeat.core.rewards import RewardRegistry, register_reward
 from offbeat.core.rollout import TokenOutput
 from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet
 from offbeat.core.trace import MAIN_TRACK, Tracer, nesting_problems
-from offbeat.core.trainer import SingleTurnAgentLoop, Trainer
+from offbeat.core.trainer import SingleTurnAgentLoop
 from offbeat.core.trainer.watchdog import StallError
 
 
@@ -214,10 +214,18 @@ async def test_a_hung_rollout_fails_the_run_instead_of_hanging(tmp_path):
     assert e.value.stage == "generation[s0]"
 
 
-def test_settings_reject_unknown_mode():
-    with pytest.raises(ValueError, match=r"trainer\.mode='fast'"):
-        Trainer(make_settings(mode="fast"), engine=None, buffer=None, driver=None, pool=None,
-                tracker=None)  # fmt: skip
+def test_an_unknown_mode_is_rejected_before_the_trainer_starts():
+    """trainer.mode has one check, the config rule: it names the key, the value and the
+    modes the loop runs (`MODES`)."""
+    from offbeat.core.config import ConfigError, JobConfig, validate
+    from offbeat.core.trainer import MODES
+
+    cfg = JobConfig()
+    cfg.model.path, cfg.trainer.mode = "m", "fast"
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    mine = [str(x) for x in e.value.problems if x.key == "trainer.mode"]
+    assert mine == [f"trainer.mode='fast': must be one of {', '.join(MODES)}"]
 
 
 async def test_trace_has_steps_buffer_waits_train_syncs_and_lanes_per_replica(tmp_path):

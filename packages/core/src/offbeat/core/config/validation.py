@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offbeat.core.registry import (
@@ -34,6 +35,8 @@ TRAINER_MODES = ("sync", "separate_async")
 OLD_LOG_PROB_SOURCES = ("rollout", "trainer")
 ROLLOUT_IS_LEVELS = ("none", "token", "sequence")
 ROLLOUT_IS_MODES = ("truncate", "mask")
+# model.dtype: what the train engines compute in and export (their dtype tables' names).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -245,18 +248,39 @@ def _algorithm(cfg: JobConfig, p: Problems) -> None:
     p.require_number("algorithm.gamma", al.gamma, low=0.0, high=1.0)
     p.require_number("algorithm.lam", al.lam, low=0.0, high=1.0)
     p.require_number("algorithm.kl_loss_coef", al.kl_loss_coef, low=0.0)
-    p.require_number("algorithm.kl_clamp", al.kl_clamp, low=0.0)
     p.require_number("algorithm.entropy_coeff", al.entropy_coeff)
-    p.require_number("actor.clip_ratio_low", a.clip_ratio_low, low=0.0, high=1.0)
+    low = a.clip_ratio_low
+    if p.require_number("actor.clip_ratio_low", low, low=0.0, high=1.0) and low == 1.0:
+        p.add("actor.clip_ratio_low", low, "must be < 1 (the ratio's lower bound is 1 - it)")
     p.require_number("actor.clip_ratio_high", a.clip_ratio_high, low=0.0)
     p.require_number("actor.clip_ratio_c", a.clip_ratio_c)
-    p.require_number("actor.lr", a.lr, low=0.0)
-    p.require_int("actor.lr_warmup_steps", a.lr_warmup_steps, minimum=0)
+    if p.require_number("actor.lr", a.lr, low=0.0) and not a.lr > 0:
+        p.add("actor.lr", a.lr, "must be > 0")
+    p.require_number("actor.weight_decay", a.weight_decay, low=0.0)
+    warmup_ok = p.require_int("actor.lr_warmup_steps", a.lr_warmup_steps, minimum=0)
     from offbeat.core.train.optim import LR_SCHEDULES
 
-    p.require_choice("actor.lr_schedule", a.lr_schedule, LR_SCHEDULES)
+    if p.require_choice("actor.lr_schedule", a.lr_schedule, LR_SCHEDULES) and warmup_ok:
+        _cosine_has_a_horizon(cfg, p)
     p.require_number("actor.min_lr_ratio", a.min_lr_ratio, low=0.0, high=1.0)
-    p.require_number("critic.cliprange_value", cfg.critic.cliprange_value, low=0.0)
+
+
+def _cosine_has_a_horizon(cfg: JobConfig, p: Problems) -> None:
+    """The cosine schedule decays after the warm-up, until the last of the run's
+    total_training_steps × parameter_sync_step × ppo_epochs mini-batch updates."""
+    a, t = cfg.actor, cfg.trainer
+    counts = (t.total_training_steps, cfg.async_training.parameter_sync_step, a.ppo_epochs)
+    if a.lr_schedule != "cosine" or not all(type(n) is int and n > 0 for n in counts):
+        return  # a bad count is reported on its own
+    updates = counts[0] * counts[1] * counts[2]
+    if updates <= a.lr_warmup_steps:
+        p.add(
+            "actor.lr_warmup_steps",
+            a.lr_warmup_steps,
+            f"must be < the run's {updates} updates (trainer.total_training_steps × "
+            "async_training.parameter_sync_step × actor.ppo_epochs) with "
+            "actor.lr_schedule=cosine, which decays after the warm-up",
+        )
 
 
 @check
@@ -330,8 +354,7 @@ def _rollout_pd(cfg: JobConfig, p: Problems) -> None:
 
 @check
 def _model_and_trainer(cfg: JobConfig, p: Problems) -> None:
-    if not isinstance(cfg.model.path, str) or not cfg.model.path.strip():
-        p.add("model.path", cfg.model.path, "must name a model (a HF model directory)")
+    _model(cfg, p)
     t = cfg.trainer
     p.require_choice("trainer.mode", t.mode, TRAINER_MODES)
     p.require_int("trainer.total_training_steps", t.total_training_steps)
@@ -341,6 +364,29 @@ def _model_and_trainer(cfg: JobConfig, p: Problems) -> None:
     p.require_int("trainer.test_freq", t.test_freq, minimum=0)
     if not isinstance(t.checkpoint_dir, str) or not t.checkpoint_dir.strip():
         p.add("trainer.checkpoint_dir", t.checkpoint_dir, "must be a non-empty path")
+
+
+def _model(cfg: JobConfig, p: Problems) -> None:
+    _model_path(cfg.model.path, p)
+    p.require_choice("model.dtype", cfg.model.dtype, MODEL_DTYPES)
+
+
+def _model_path(path: Any, p: Problems) -> None:
+    """model.path names a model: offbeat's tiny preset (`offbeat-tiny:<size>`), an existing
+    HF model directory when given as a path, or a name the model builder resolves."""
+    from offbeat.core.models.tiny import TINY_PREFIX
+
+    if not isinstance(path, str) or not path.strip():
+        p.add("model.path", path, "must name a model (a HF model directory)")
+    elif path.startswith(TINY_PREFIX):
+        from offbeat.core.models import TINY_MODEL_PRESETS
+
+        if path[len(TINY_PREFIX) :] not in TINY_MODEL_PRESETS:
+            p.add(
+                "model.path", path, f"{TINY_PREFIX}<size> with size in {sorted(TINY_MODEL_PRESETS)}"
+            )
+    elif path.startswith(("/", "./", "../")) and not Path(path).is_dir():
+        p.add("model.path", path, "an existing HF model directory")
 
 
 @check

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.rollout.recording import (
     MANIFEST,
+    REPLAY_MODES,
     RecordingError,
     read_manifest,
     tokenizer_digest,
@@ -34,7 +35,6 @@ __all__: list[str] = []
 
 log = logging.getLogger(__name__)
 
-_MODES = ("cache", "repeat")
 
 
 def _is_int(value: Any) -> bool:
@@ -101,7 +101,7 @@ def _replay(cfg: JobConfig, p: Problems) -> None:
     rp = getattr(cfg.rollout, "replay", None)
     if rp is None:
         return
-    mode_ok = p.require_choice("rollout.replay.mode", rp.mode, _MODES)
+    mode_ok = p.require_choice("rollout.replay.mode", rp.mode, REPLAY_MODES)
     if not isinstance(rp.dir, str) or not rp.dir.strip():
         if mode_ok and rp.mode != "cache":
             p.add(

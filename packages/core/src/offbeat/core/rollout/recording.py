@@ -31,6 +31,7 @@ __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "REPLAY_MODES",
     "CorruptRecording",
     "RecordingError",
     "RecordingMismatch",
@@ -49,6 +50,9 @@ __all__ = [
     "verify_files",
     "write_atomic",
 ]
+
+# rollout.replay.mode: each recorded step once, then live generation; or cycle for good.
+REPLAY_MODES = ("cache", "repeat")
 
 FORMAT = "offbeat-rollout-recording"
 FORMAT_VERSION = 1

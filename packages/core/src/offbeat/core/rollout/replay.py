@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from offbeat.core.data import Trajectory
 from offbeat.core.rollout.recording import (
+    REPLAY_MODES,
     CorruptRecording,
     RecordingError,
     RecordingMismatch,
@@ -65,7 +66,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPLAY_MODES = ("cache", "repeat")
 MARKER = "replay"  # the key of a marker row
 _CACHED_STEPS = 3  # decoded recorded steps kept in memory by a ReplayAgent
 
@@ -138,8 +138,6 @@ class ReplayLoader:
     """The dataloader, with the recording's groups first (`cache`) or only (`repeat`)."""
 
     def __init__(self, loader: Any, recording: Recording, mode: str) -> None:
-        if mode not in REPLAY_MODES:
-            raise ValueError(f"rollout.replay.mode={mode!r}: must be one of {REPLAY_MODES}")
         self.loader = loader
         self.recording = recording
         self.mode = mode

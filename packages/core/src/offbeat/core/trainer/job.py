@@ -86,17 +86,6 @@ def _offbeat_trainer_rules(cfg: JobConfig, p: Problems) -> None:
     for name in dict.fromkeys(x for x in cfg.trainer.loggers if x in LOGGERS):
         if hint := install_hint(name):  # wandb, mlflow: an extra that is not installed
             p.add("trainer.loggers", list(cfg.trainer.loggers), hint)
-    path = cfg.model.path
-    if isinstance(path, str) and path.startswith(TINY_PREFIX):
-        from offbeat.core.models import TINY_MODEL_PRESETS
-
-        size = path[len(TINY_PREFIX) :]
-        if size not in TINY_MODEL_PRESETS:
-            p.add(
-                "model.path", path, f"{TINY_PREFIX}<size> with size in {sorted(TINY_MODEL_PRESETS)}"
-            )
-    elif isinstance(path, str) and path.startswith(("/", "./", "../")) and not Path(path).is_dir():
-        p.add("model.path", path, "an existing HF model directory")
     for key in ("train_files", "val_files"):
         for f in getattr(cfg.data, key):
             if not Path(f).is_file():

@@ -41,6 +41,7 @@ from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.algorithms.logprob_drift import DRIFT_MASK
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
 from offbeat.core.config.support import needs_critic
+from offbeat.core.config.validation import TRAINER_MODES
 from offbeat.core.data import TrajectoryBatch
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from offbeat.core.trainer.logprob_drift import (
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MODES = ("sync", "separate_async")
+MODES = TRAINER_MODES  # trainer.mode, checked by the config rules before anything starts
 
 
 @dataclass
@@ -186,8 +187,6 @@ class Trainer:
         critic_ref: Any = None,
         hybrid: Any = None,
     ) -> None:
-        if settings.mode not in MODES:
-            raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
         self.s = settings
         self.engine = engine
         self.buffer = buffer
