@@ -146,7 +146,7 @@ class _CountingAgent:
 async def test_val_batch_size_bounds_validation_concurrency(data, val_batch_size):
     cfg = job(data, f"data.val_batch_size={val_batch_size}", "trainer.test_freq=1")
     agent = _CountingAgent()
-    validator = Validator.from_job(cfg, agent, [{"prompt": i} for i in range(10)])
+    validator = Validator.build(cfg.trainer, cfg.data, agent, [{"prompt": i} for i in range(10)])
     metrics = await validator.run()
     assert metrics["val/reward"] == 1.0
     assert agent.peak == val_batch_size
@@ -154,7 +154,7 @@ async def test_val_batch_size_bounds_validation_concurrency(data, val_batch_size
 
 def test_no_validator_when_the_job_never_validates(data):
     cfg = job(data, "trainer.test_freq=0", "trainer.val_before_train=false")
-    assert Validator.from_job(cfg, _CountingAgent(), [{"prompt": 0}]) is None
+    assert Validator.build(cfg.trainer, cfg.data, _CountingAgent(), [{"prompt": 0}]) is None
 
 
 def test_a_local_ray_gets_the_replicas_gpus_and_the_trainer_the_next(monkeypatch):

@@ -8,14 +8,11 @@ rollout or weight sync. Every method here blocks: the trainer runs them in worke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from offbeat.core.algorithms import compute_advantages, explained_variance, masked_mean
-
-if TYPE_CHECKING:
-    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["Critic"]
 
@@ -35,15 +32,6 @@ class Critic:
         self.gamma = gamma
         self.lam = lam
         self.ppo_epochs = ppo_epochs
-
-    @classmethod
-    def from_job(cls, cfg: JobConfig, engine: Any = None) -> Critic:
-        if engine is None:
-            from offbeat.core.train import build_critic_engine
-
-            engine = build_critic_engine(cfg)
-        al = cfg.algorithm
-        return cls(engine, gamma=al.gamma, lam=al.lam, ppo_epochs=cfg.critic.ppo_epochs)
 
     def advantages(
         self,

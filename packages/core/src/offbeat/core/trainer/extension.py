@@ -71,7 +71,7 @@ class JobExtension:
         return agent
 
     def make_validator(self, cfg: JobConfig, agent: Any, rows: list) -> Any:
-        """A validator in place of `Validator.from_job` (None: no say)."""
+        """A validator in place of the job's (`Validator.build`; None: no say)."""
         return None
 
     def batch_hook(self, batch: Any, data: dict[str, Any]) -> dict[str, float]:

@@ -588,7 +588,10 @@ async def _train(
         val_agent = agent
         for e in exts:
             val_agent = e.validation_agent(val_agent)
-        validator = ext.make_validator(cfg, val_agent, val_rows, exts, Validator.from_job)
+        validator = ext.make_validator(
+            cfg, val_agent, val_rows, exts,
+            lambda c, a, rows: Validator.build(c.trainer, c.data, a, rows),
+        )  # fmt: skip
         if validator is not None and cfg.agent.val_without_tools:
             validator.baselines["no_tools"] = val_agent.loop("single_turn")
         checkpoints = (
@@ -611,9 +614,10 @@ async def _train(
         # trainer group's ranks (critic.placement=actor, ref.placement=actor; the one local
         # rank with the trainer in the driver) or on groups of their own; the side carries
         # their engines.
-        critic_ref = CriticAndReference.from_job(
-            cfg, critic_engine=side.critic_engine, reference_engine=side.reference_engine
-        )
+        critic_ref = CriticAndReference.build(
+            cfg.algorithm, cfg.critic, cfg.rollout,
+            critic_engine=side.critic_engine, reference_engine=side.reference_engine,
+        )  # fmt: skip
         tracer = make_tracer(cfg.trainer, run_dir)
         hybrid = None
         if hybrids:

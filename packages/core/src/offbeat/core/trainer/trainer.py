@@ -355,7 +355,7 @@ class Trainer:
         if needs_critic(s.adv_estimator) and getattr(self.critic_ref, "critic", None) is None:
             raise ValueError(
                 f"adv_estimator={s.adv_estimator!r} needs a critic: pass critic_ref="
-                "CriticAndReference.from_job(cfg) (offbeat.core.trainer.ppo)"
+                "CriticAndReference.build(...) (offbeat.core.trainer.ppo)"
             )
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
