@@ -147,7 +147,7 @@ async def test_resume_restores_critic_reference_and_kl_controller(tmp_path):
     (tmp_path / "other").mkdir()
     h3 = harness(tmp_path / "other", parts(ref_shift=1.0), total_training_steps=1)
     h3.trainer.checkpoints = h1.checkpoints
-    h3.settings.resume = True
+    h3.settings.trainer.resume = True
     with pytest.raises(ValueError, match="reference model's weights differ"):
         await h3.run()
 

@@ -501,7 +501,7 @@ async def _train(
     from offbeat.core.trainer.replicas import ReplicaPool
     from offbeat.core.trainer.rollout import RolloutDriver
     from offbeat.core.trainer.tracking import MetricsTracker
-    from offbeat.core.trainer.trainer import Trainer, TrainerSettings
+    from offbeat.core.trainer.trainer import Trainer
     from offbeat.core.trainer.validation import Validator
 
     t0 = time.perf_counter()
@@ -609,7 +609,6 @@ async def _train(
             progress=rt.progress_bar, append=bool(resuming), project=cfg.trainer.project_name,
             run_name=cfg.trainer.experiment_name, run_config=cfg, store_dir=cfg.trainer.log_dir,
         )  # fmt: skip
-        settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
         # The critic and the reference model, when the algorithm needs them: on the
         # trainer group's ranks (critic.placement=actor, ref.placement=actor; the one local
         # rank with the trainer in the driver) or on groups of their own; the side carries
@@ -627,7 +626,7 @@ async def _train(
             )  # fmt: skip
         memory = ReplicaMemory(pool.servers, hybrid.servers if hybrid is not None else None)
         trainer = Trainer(
-            settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
+            cfg, pad_token_id=tokenizer.pad_token_id or 0, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
             checkpoints=checkpoints, validator=validator, rollout_memory=memory,
             version_offset=version_offset, tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
             step_hooks=[*rr.hooks, *(h for e in exts for h in e.step_hooks())],
