@@ -316,12 +316,12 @@ def test_parse_overrides_rejects_malformed():
 
 
 def test_actor_lr_schedule_is_checked_and_reaches_the_engine():
-    from offbeat.core.train.fsdp2 import FSDP2Config
+    from offbeat.core.train.fsdp2 import actor_engine_config
     from offbeat.core.train.optim import lr_factor
 
     cfg = good(actor__lr=1e-3, actor__lr_schedule="cosine", actor__min_lr_ratio=0.1)
     validate(cfg)
-    optim = FSDP2Config.from_job_config(cfg).optim
+    optim = actor_engine_config(cfg).optim
     assert optim.lr_schedule == "cosine" and optim.min_lr_ratio == 0.1
     updates = (
         cfg.trainer.total_training_steps

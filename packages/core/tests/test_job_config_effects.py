@@ -17,7 +17,7 @@ from offbeat.core.cli import load_recipe_config
 from offbeat.core.models import build_tiny_model
 from offbeat.core.tasks import make_rows, write_parquet
 from offbeat.core.tasks.dataloader import steps_within_epochs
-from offbeat.core.train import FSDP2Config
+from offbeat.core.train import actor_engine_config
 from offbeat.core.trainer import Validator
 from offbeat.core.trainer.job import prepare, run_header, split_gpus, wants_warm_start
 
@@ -77,7 +77,7 @@ def test_total_epochs_bounds_the_run_the_lr_horizon_and_the_progress(model_dir, 
     p = prepare(cfg)
     assert p.cfg.trainer.total_training_steps == 10  # 40 rows / 4 prompts per step
     s = cfg.async_training.parameter_sync_step
-    assert FSDP2Config.from_job_config(p.cfg).optim.total_updates == 10 * s
+    assert actor_engine_config(p.cfg).optim.total_updates == 10 * s
     assert "trainer.total_epochs=1 leaves 10 steps" in run_header(p, 1, 0.0)
     # Without it the configured step count stands.
     assert prepare(job(data, f"model.path={model_dir}")).cfg.trainer.total_training_steps == (

@@ -32,7 +32,7 @@ from offbeat.core.algorithms import LossNormalizer
 from offbeat.core.registry import TRAIN_ENGINES
 
 if TYPE_CHECKING:
-    from offbeat.core.config.schema import JobConfig
+    from offbeat.core.config.schema import JobConfig, RolloutConfig
 
 __all__ = [
     "TRAIN_ENGINES",
@@ -44,8 +44,10 @@ __all__ = [
     "build_reference_engine",
     "build_train_engine",
     "critic_engine",
+    "log_prob_temperature",
     "register_critic_engine",
     "register_train_engine",
+    "updates_per_run",
 ]
 
 
@@ -144,6 +146,18 @@ class TrainEngine(Protocol):
     def load(self, path: str) -> None:
         """Restore what `save` wrote (all ranks call it)."""
         ...
+
+
+def log_prob_temperature(rollout: RolloutConfig) -> float:
+    """The temperature a train engine divides logits by: the rollout's sampling one, or 1
+    for a greedy rollout (temperature 0 has no sampling distribution to match)."""
+    return rollout.temperature if rollout.temperature > 0 else 1.0
+
+
+def updates_per_run(job: JobConfig, ppo_epochs: int) -> int:
+    """An LR schedule's horizon, in mini-batch updates: trainer.total_training_steps ×
+    async_training.parameter_sync_step × `ppo_epochs` (the actor's or the critic's)."""
+    return job.trainer.total_training_steps * job.async_training.parameter_sync_step * ppo_epochs
 
 
 def register_train_engine(name: str) -> Callable[[type], type]:
