@@ -40,6 +40,7 @@ __all__ = [
     "replica_options",
     "start_pools",
     "start_trainer",
+    "start_trainer_side",
     "trainer_in_driver",
 ]
 
@@ -225,6 +226,24 @@ async def start_trainer(cfg: RunConfig, pools: ResourcePools | None) -> TrainerS
             g.shutdown()
         raise
     return TrainerSide(group, manager, critic, reference, separate=separate)
+
+
+async def start_trainer_side(
+    cfg: RunConfig, pools: ResourcePools | None
+) -> tuple[TrainerSide, ResourcePools | None, ResourcePools | None]:
+    """`start_trainer` for a run whose pools may lack a trainer pool (the replicas were
+    started first): a worker group that needs one gets a trainer pool of its own, reserved
+    here. Returns (side, the pools the trainer is in, the pool reserved here or None: the
+    caller removes it after `side.close()`)."""
+    own = None
+    if not trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
+        pools = own = await start_pools(cfg, rollout=False)
+    try:  # the train engine builds while the replicas start
+        return await start_trainer(cfg, pools), pools, own
+    except BaseException:
+        if own is not None:
+            own.remove()
+        raise
 
 
 async def _start_actor_group(

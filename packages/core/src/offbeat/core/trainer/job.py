@@ -47,6 +47,7 @@ from offbeat.core.runtime.launch import (
     replica_options,
     start_pools,
     start_trainer,
+    start_trainer_side,
 )
 from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
@@ -486,21 +487,18 @@ async def _train(
     hybrids: dict[str, Any] | None,
     exts: list[JobExtension],
 ) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.agent.loops import build_agent
-    from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
-    from offbeat.core.data.vision import load_processor
+    from offbeat.core.data.vision import load_tokenizer
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
-    from offbeat.core.trainer.checkpoint import CheckpointManager
+    from offbeat.core.trainer.checkpoint import make_checkpoints
     from offbeat.core.trainer.hybrid import HybridReplicas
     from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
-    from offbeat.core.trainer.rollout import RolloutDriver
-    from offbeat.core.trainer.tracking import MetricsTracker
+    from offbeat.core.trainer.rollout import make_buffer, make_driver
+    from offbeat.core.trainer.tracking import make_tracker
     from offbeat.core.trainer.trainer import Trainer
     from offbeat.core.trainer.validation import Validator
 
@@ -511,25 +509,9 @@ async def _train(
     run_dir.mkdir(parents=True, exist_ok=True)
     own_pools = None
     if side is None:
-        if not _trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
-            pools = own_pools = await start_pools(cfg, rollout=False)
-        try:  # the train engine builds while the replicas start
-            side = await start_trainer(cfg, pools)
-        except BaseException:
-            if own_pools is not None:
-                own_pools.remove()
-            raise
+        side, pools, own_pools = await start_trainer_side(cfg, pools)
     engine = side.engine
-    # A vision-language model's processor renders and tokenises rows with images.
-    processor = load_processor(p.model_dir, cfg.model.trust_remote_code)
-    tokenizer = (
-        processor.tokenizer
-        if processor is not None and not cfg.model.tokenizer_path
-        else AutoTokenizer.from_pretrained(
-            cfg.model.tokenizer_path or str(p.model_dir),
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
-    )
+    tokenizer, processor = load_tokenizer(p.model_dir, cfg.model)
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
     for e in exts:
         await e.setup(p, pools)
@@ -543,15 +525,7 @@ async def _train(
     pool = tracker = tracer = None
     try:
         rewards = reward_registry(cfg)
-        s = cfg.async_training
-        buffer = AsyncReplayBuffer(
-            BufferConfig(
-                groups_per_step=cfg.data.train_batch_size,
-                max_off_policy_threshold=s.max_off_policy_threshold,
-                max_off_policy_strategy=s.max_off_policy_strategy,
-                num_warmup_batches=0 if cfg.trainer.mode == "sync" else s.num_warmup_batches,
-            )
-        )
+        buffer = make_buffer(cfg)
         replacement = (
             replacement_for(p, pools, servers) if rt.replica_replace_attempts > 0 else None
         )
@@ -575,14 +549,7 @@ async def _train(
             tokenizer=tokenizer, loader=loader, agent=train_agent,
             version=lambda: pool.last_sync.version if pool.last_sync else version_offset,
         )  # fmt: skip
-        driver = RolloutDriver(
-            buffer, rr.loader, rr.agent, n=cfg.rollout.n,
-            max_concurrent_groups=rt.max_concurrent_groups,
-            max_consecutive_failures=rt.max_failed_batches * cfg.data.train_batch_size,
-            limit_key=f"runtime.max_failed_batches={rt.max_failed_batches} × "
-            f"data.train_batch_size={cfg.data.train_batch_size}",
-            sample_seed=cfg.rollout.seed,
-        )  # fmt: skip
+        driver = make_driver(cfg, buffer, rr.loader, rr.agent)
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
         val_agent = agent
@@ -594,21 +561,8 @@ async def _train(
         )  # fmt: skip
         if validator is not None and cfg.agent.val_without_tools:
             validator.baselines["no_tools"] = val_agent.loop("single_turn")
-        checkpoints = (
-            None
-            if cfg.trainer.save_freq < 0 and not cfg.trainer.resume
-            else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
-        )
-        # A run that resumes from a checkpoint continues its metrics file; any other run
-        # starts it afresh (a rerun must not read as one run of twice the steps).
-        resuming = cfg.trainer.resume and checkpoints is not None and checkpoints.latest()
-        # wandb / MLflow: the run is trainer.project_name / experiment_name, its config the
-        # resolved one (local model path, the step count prepare left).
-        tracker = MetricsTracker(
-            run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
-            progress=rt.progress_bar, append=bool(resuming), project=cfg.trainer.project_name,
-            run_name=cfg.trainer.experiment_name, run_config=cfg, store_dir=cfg.trainer.log_dir,
-        )  # fmt: skip
+        checkpoints = make_checkpoints(cfg.trainer, rt.checkpoint_keep_last)
+        tracker = make_tracker(cfg, run_dir, checkpoints)
         # The critic and the reference model, when the algorithm needs them: on the
         # trainer group's ranks (critic.placement=actor, ref.placement=actor; the one local
         # rank with the trainer in the driver) or on groups of their own; the side carries
@@ -626,9 +580,10 @@ async def _train(
             )  # fmt: skip
         memory = ReplicaMemory(pool.servers, hybrid.servers if hybrid is not None else None)
         trainer = Trainer(
-            cfg, pad_token_id=tokenizer.pad_token_id or 0, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
-            checkpoints=checkpoints, validator=validator, rollout_memory=memory,
-            version_offset=version_offset, tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
+            cfg, pad_token_id=tokenizer.pad_token_id or 0, engine=engine, buffer=buffer,
+            driver=driver, pool=pool, tracker=tracker, checkpoints=checkpoints,
+            validator=validator, rollout_memory=memory, version_offset=version_offset,
+            tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
             step_hooks=[*rr.hooks, *(h for e in exts for h in e.step_hooks())],
             batch_hook=ext.batch_hook(exts),
         )  # fmt: skip

@@ -21,9 +21,13 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from offbeat.core.trainer.experiment_trackers import TRACKERS, ExperimentTracker, open_tracker
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
+    from offbeat.core.trainer.checkpoint import CheckpointManager
 
 logger = logging.getLogger(__name__)
 
@@ -321,3 +325,20 @@ def _is_terminal(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed file
         return False
+
+
+def make_tracker(
+    cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager | None
+) -> MetricsTracker:
+    """The run's metrics, `trainer.loggers` into `run_dir`. A run that resumes from a
+    checkpoint continues its metrics file; any other run starts it afresh (a rerun must
+    not read as one run of twice the steps). wandb / MLflow: the run is
+    trainer.project_name / experiment_name, its config the resolved one (local model
+    path, the step count prepare left)."""
+    t = cfg.trainer
+    resuming = t.resume and checkpoints is not None and checkpoints.latest()
+    return MetricsTracker(
+        run_dir, t.loggers, total_steps=t.total_training_steps,
+        progress=cfg.runtime.progress_bar, append=bool(resuming), project=t.project_name,
+        run_name=t.experiment_name, run_config=cfg, store_dir=t.log_dir,
+    )  # fmt: skip
