@@ -205,7 +205,25 @@ def _async(cfg: JobConfig, p: Problems) -> None:
     p.require_choice(
         "async_training.max_off_policy_strategy", s.max_off_policy_strategy, OFF_POLICY_STRATEGIES
     )
-    p.require_int("async_training.num_warmup_batches", s.num_warmup_batches, minimum=0)
+    warmup_ok = p.require_int(
+        "async_training.num_warmup_batches", s.num_warmup_batches, minimum=0
+    )
+    threshold = s.max_off_policy_threshold
+    if (
+        warmup_ok
+        and cfg.trainer.mode == "separate_async"
+        and s.max_off_policy_strategy == "drop"
+        and type(threshold) is int  # a bad threshold is reported on its own
+        and threshold > 0
+        and s.num_warmup_batches + 1 > threshold
+    ):
+        from offbeat.core.buffer import drop_depth_message
+
+        p.add(
+            "async_training.num_warmup_batches",
+            s.num_warmup_batches,
+            drop_depth_message(s.num_warmup_batches, threshold),
+        )
 
 
 @check

@@ -129,6 +129,14 @@ def _needs_ground_truth(cfg: JobConfig) -> bool:
 
 
 @check
+def _dataset_files_exist(cfg: JobConfig, p: Problems) -> None:
+    for key in ("train_files", "val_files"):
+        for f in getattr(cfg.data, key):
+            if not Path(f).is_file():
+                p.add(f"data.{key}", f, "existing parquet files")
+
+
+@check
 def _dataset_rows_can_be_prompts(cfg: JobConfig, p: Problems) -> None:
     from offbeat.core.tasks.bad_rows import DatasetFileError, scan_file
     from offbeat.core.tasks.rows import parquet_columns

@@ -32,8 +32,7 @@ import torch
 from offbeat.core import compat
 from offbeat.core.config import JobConfig
 from offbeat.core.config.run import RunConfig
-from offbeat.core.config.validation import Problems, check
-from offbeat.core.cpus import machine_cpus, pin_process
+from offbeat.core.cpus import pin_process
 from offbeat.core.device import current_device
 from offbeat.core.models.resolve import resolve_model
 from offbeat.core.models.tiny import TINY_PREFIX
@@ -57,77 +56,6 @@ from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, sta
 from offbeat.core.trainer.extension import JobExtension
 
 logger = logging.getLogger(__name__)
-
-
-# ---- validation rules this module adds (run by offbeat.core.config.validate) -----------
-@check
-def _offbeat_trainer_rules(cfg: JobConfig, p: Problems) -> None:
-    s = cfg.async_training
-    if (
-        cfg.trainer.mode == "separate_async"
-        and s.max_off_policy_strategy == "drop"
-        and isinstance(s.num_warmup_batches, int)
-        and type(s.max_off_policy_threshold) is int  # a bad threshold is reported on its own
-        and s.max_off_policy_threshold > 0
-        and s.num_warmup_batches + 1 > s.max_off_policy_threshold
-    ):
-        from offbeat.core.buffer import drop_depth_message
-
-        p.add(
-            "async_training.num_warmup_batches",
-            s.num_warmup_batches,
-            drop_depth_message(s.num_warmup_batches, s.max_off_policy_threshold),
-        )
-    from offbeat.core.trainer.experiment_trackers import install_hint
-    from offbeat.core.trainer.tracking import LOGGERS
-
-    bad = [x for x in cfg.trainer.loggers if x not in LOGGERS]
-    if bad:
-        p.add("trainer.loggers", list(cfg.trainer.loggers), f"each one of {list(LOGGERS)}")
-    for name in dict.fromkeys(x for x in cfg.trainer.loggers if x in LOGGERS):
-        if hint := install_hint(name):  # wandb, mlflow: an extra that is not installed
-            p.add("trainer.loggers", list(cfg.trainer.loggers), hint)
-    for key in ("train_files", "val_files"):
-        for f in getattr(cfg.data, key):
-            if not Path(f).is_file():
-                p.add(f"data.{key}", f, "existing parquet files")
-    rt = getattr(cfg, "runtime", None)
-    if rt is not None:
-        from offbeat.ckpt_engine import backends
-
-        if rt.ckpt_backend not in backends():
-            p.add("runtime.ckpt_backend", rt.ckpt_backend, f"one of {sorted(backends())}")
-        p.require_int("runtime.max_concurrent_groups", rt.max_concurrent_groups)
-        usable = sorted(os.sched_getaffinity(0))
-        bad_cpus = [c for c in rt.trainer_cpus if c not in usable]
-        if bad_cpus:
-            p.add("runtime.trainer_cpus", list(rt.trainer_cpus), f"cores of this machine: {usable}")
-        p.require_int("runtime.trainer_threads", rt.trainer_threads)
-        p.require_int("runtime.max_failed_batches", rt.max_failed_batches)
-
-
-@check
-def _offbeat_placement_rules(cfg: JobConfig, p: Problems) -> None:
-    rt = getattr(cfg, "runtime", None)
-    if rt is None or not rt.rollout_cpus:
-        return
-    usable = machine_cpus()
-    cpus = list(rt.rollout_cpus)
-    if any(isinstance(c, bool) or not isinstance(c, int) for c in cpus):
-        p.add("runtime.rollout_cpus", cpus, f"core ids (ints) of this machine: {usable}")
-        return
-    if [c for c in cpus if c not in usable]:
-        p.add("runtime.rollout_cpus", cpus, f"cores of this machine: {usable}")
-    elif len(set(cpus)) != len(cpus):
-        p.add("runtime.rollout_cpus", cpus, "each core once")
-    shared = sorted(set(cpus) & set(rt.trainer_cpus))
-    if shared:
-        p.add(
-            "runtime.rollout_cpus",
-            cpus,
-            f"cores disjoint from runtime.trainer_cpus={list(rt.trainer_cpus)} (both name "
-            f"{shared})",
-        )
 
 
 # ---- building blocks ---------------------------------------------------------------------

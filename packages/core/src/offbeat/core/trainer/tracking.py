@@ -23,10 +23,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from offbeat.core.trainer.experiment_trackers import TRACKERS, ExperimentTracker, open_tracker
+from offbeat.core.config.validation import Problems, check
+from offbeat.core.trainer.experiment_trackers import (
+    TRACKERS,
+    ExperimentTracker,
+    install_hint,
+    open_tracker,
+)
 
 if TYPE_CHECKING:
     from offbeat.core.config.run import RunConfig
+    from offbeat.core.config.schema import JobConfig
     from offbeat.core.trainer.checkpoint import CheckpointManager
 
 logger = logging.getLogger(__name__)
@@ -342,3 +349,14 @@ def make_tracker(
         progress=cfg.runtime.progress_bar, append=bool(resuming), project=t.project_name,
         run_name=t.experiment_name, run_config=cfg, store_dir=t.log_dir,
     )  # fmt: skip
+
+
+@check
+def _loggers(cfg: JobConfig, p: Problems) -> None:
+    """trainer.loggers: names in `LOGGERS`, each one's extra installed (wandb, mlflow)."""
+    loggers = list(cfg.trainer.loggers)
+    if [x for x in loggers if x not in LOGGERS]:
+        p.add("trainer.loggers", loggers, f"each one of {list(LOGGERS)}")
+    for name in dict.fromkeys(x for x in loggers if x in LOGGERS):
+        if hint := install_hint(name):  # an extra that is not installed
+            p.add("trainer.loggers", loggers, hint)
