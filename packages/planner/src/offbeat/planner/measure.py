@@ -256,7 +256,7 @@ def replica_cores(cfg: RunConfig) -> tuple[list[int], int]:
     from offbeat.core.config.support import replica_devices
     from offbeat.planner.plan import replica_devices_of
 
-    replicas = max(1, cfg.resources.rollout_devices // replica_devices(cfg))
+    replicas = max(1, cfg.resources.rollout_devices // replica_devices(cfg.rollout))
     devices = replica_devices_of(cfg, replicas)
     shared_by = devices.count(devices[0]) if devices else 1
     cpus = list(getattr(getattr(cfg, "runtime", None), "rollout_cpus", None) or [])

@@ -79,7 +79,7 @@ def replica_cpus(
             return [], env
         from offbeat.core.config.support import replica_devices
 
-        replicas = job.resources.rollout_devices // replica_devices(job)
+        replicas = job.resources.rollout_devices // replica_devices(job.rollout)
         cpus = share_of(list(rt.rollout_cpus), replicas, index)
     if not cpus:
         return [], env

@@ -34,7 +34,7 @@ from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import ADV_ESTIMATORS, DEVICES, KL_ESTIMATORS, TRAIN_ENGINES
 
 if TYPE_CHECKING:
-    from offbeat.core.config.schema import JobConfig
+    from offbeat.core.config.schema import JobConfig, RolloutConfig
 
 __all__ = [
     "critic_estimators",
@@ -76,11 +76,11 @@ def needs_reference(algorithm: Any) -> bool:
     return algorithm.use_kl_loss is True or algorithm.use_kl_in_reward is True
 
 
-def replica_devices(cfg: JobConfig) -> int:
+def replica_devices(rollout: RolloutConfig) -> int:
     """Devices one rollout replica takes: `rollout.tensor_parallel_size`, times its
     engines for a prefill-decode replica whose engines have devices of their own."""
-    tp = cfg.rollout.tensor_parallel_size
-    pd = getattr(cfg.rollout, "pd", None)
+    tp = rollout.tensor_parallel_size
+    pd = getattr(rollout, "pd", None)
     if pd is not None and pd.enabled is True and pd.share_device is not True:
         return tp * (pd.prefill_engines + pd.decode_engines)
     return tp

@@ -28,7 +28,7 @@ from offbeat.core.runtime.pools import DEVICE_RESOURCES, PoolSpec, ResourcePools
 
 if TYPE_CHECKING:
     from offbeat.core.config.run import RunConfig
-    from offbeat.core.config.schema import JobConfig
+    from offbeat.core.config.schema import JobConfig, TrainerConfig
 
 __all__ = [
     "HYBRID_DEVICE_SHARE",
@@ -189,11 +189,11 @@ class TrainerSide:
         self.group.shutdown()
 
 
-def call_timeout_s(cfg: JobConfig) -> float | None:
+def call_timeout_s(trainer: TrainerConfig) -> float | None:
     """A trainer group's call timeout: twice `trainer.stall_timeout_s` (None when off).
     Inside the training loop the stall watchdog names a call that hangs first; outside
     it (a resume's load, the last checkpoint) this bounds every call."""
-    stall = cfg.trainer.stall_timeout_s
+    stall = trainer.stall_timeout_s
     return 2.0 * stall if stall else None
 
 
@@ -207,7 +207,7 @@ async def start_trainer(cfg: RunConfig, pools: ResourcePools | None) -> TrainerS
     rt = cfg.runtime
     roles = group_roles(cfg)
     group = await _start_actor_group(cfg, pools, roles)
-    group.call_timeout_s = call_timeout_s(cfg)
+    group.call_timeout_s = call_timeout_s(cfg.trainer)
     separate: dict[str, TrainerGroup] = {}
     try:
         manager = GroupCheckpointEngine(
@@ -282,5 +282,5 @@ async def _start_separate(cfg: RunConfig, pools: ResourcePools, role: str) -> Tr
         cfg, n, options=_rank_options(cfg, pools, role), cpus=cpus, seed=cfg.trainer.seed,
         threads=rt.trainer_threads, roles=(role,),
     )  # fmt: skip
-    group.call_timeout_s = call_timeout_s(cfg)
+    group.call_timeout_s = call_timeout_s(cfg.trainer)
     return group

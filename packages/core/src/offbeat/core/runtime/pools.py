@@ -97,7 +97,7 @@ def pool_specs(cfg: RunConfig, *, trainer: bool = True) -> list[PoolSpec]:
         out.append(PoolSpec("trainer", r.trainer_devices, shape))
     from offbeat.core.config.support import replica_devices, separate_groups
 
-    per_replica = replica_devices(cfg)  # tp, or a prefill-decode replica's engines x tp
+    per_replica = replica_devices(cfg.rollout)  # tp, or a prefill-decode replica's engines x tp
     shape = _bundle(r.device, per_replica * device, rt.rollout_num_cpus, rt.rollout_resources)
     out.append(PoolSpec("rollout", r.rollout_devices // per_replica, shape))
 

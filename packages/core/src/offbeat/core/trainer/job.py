@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from offbeat.core import compat
-from offbeat.core.config import JobConfig
+from offbeat.core.config import JobConfig, TrainerConfig
 from offbeat.core.config.run import RunConfig
 from offbeat.core.cpus import pin_process
 from offbeat.core.device import current_device
@@ -277,7 +277,7 @@ def base_sampling(cfg: JobConfig) -> dict[str, Any]:
     return params
 
 
-def make_tracer(trainer: Any, run_dir: Path) -> Any:
+def make_tracer(trainer: TrainerConfig, run_dir: Path) -> Any:
     """The step timeline <run_dir>/trace.json: every step with `trainer.trace`, else the
     first `trainer.trace_steps` (None when that is 0)."""
     from offbeat.core.trace import Tracer
@@ -370,7 +370,7 @@ def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
     cfg = p.cfg
     from offbeat.core.config.support import replica_devices
 
-    n = cfg.resources.rollout_devices // replica_devices(cfg)
+    n = cfg.resources.rollout_devices // replica_devices(cfg.rollout)
     specs = [
         ReplicaSpec(cfg, str(p.model_dir), i, ray_options=replica_options(pools, i))
         for i in range(n)
