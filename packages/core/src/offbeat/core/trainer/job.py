@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import os
 import random
 import time
@@ -54,8 +53,6 @@ from offbeat.core.trainer import extension as ext
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, start_hybrid_replicas
 from offbeat.core.trainer.extension import JobExtension
-
-logger = logging.getLogger(__name__)
 
 
 # ---- building blocks ---------------------------------------------------------------------
@@ -425,10 +422,10 @@ async def _train(
     from offbeat.core.trainer.hybrid import HybridReplicas
     from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
+    from offbeat.core.trainer.report import job_summary
     from offbeat.core.trainer.rollout import make_buffer, make_driver
     from offbeat.core.trainer.tracking import make_tracker
     from offbeat.core.trainer.trainer import Trainer
-    from offbeat.core.trainer.validation import Validator
 
     t0 = time.perf_counter()
     cfg, rt = p.cfg, p.cfg.runtime
@@ -480,15 +477,7 @@ async def _train(
         driver = make_driver(cfg, buffer, rr.loader, rr.agent)
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        val_agent = agent
-        for e in exts:
-            val_agent = e.validation_agent(val_agent)
-        validator = ext.make_validator(
-            cfg, val_agent, val_rows, exts,
-            lambda c, a, rows: Validator.build(c.trainer, c.data, a, rows),
-        )  # fmt: skip
-        if validator is not None and cfg.agent.val_without_tools:
-            validator.baselines["no_tools"] = val_agent.loop("single_turn")
+        validator = ext.job_validator(cfg, agent, val_rows, exts)
         checkpoints = make_checkpoints(cfg.trainer, rt.checkpoint_keep_last)
         tracker = make_tracker(cfg, run_dir, checkpoints)
         # The critic and the reference model, when the algorithm needs them: on the
@@ -517,12 +506,7 @@ async def _train(
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
         summary = await trainer.run()
-        try:
-            plot = tracker.plot()
-        except ImportError as e:  # matplotlib missing: keep the run's results, skip the PNG
-            logger.warning("no reward plot: %s", e)
-            plot = None
-        tracker.close(artifacts=[tracer.path if tracer is not None else None, plot])
+        plot = tracker.finish(tracer.path if tracer is not None else None)
     finally:
         if tracker is not None:  # the run failed (after a clean close this does nothing)
             tracker.close(artifacts=[tracer.path if tracer is not None else None], failed=True)
@@ -532,21 +516,10 @@ async def _train(
         await side.close()
         if own_pools is not None:
             own_pools.remove()
-    summary.update(
-        {
-            "run_dir": str(run_dir),
-            "metrics": str(tracker.jsonl_path),
-            "plot": str(plot) if plot else None,
-            "trace": str(tracer.path) if tracer is not None else None,
-            "startup_s": p.setup_s + ready_s,
-            "removed_replicas": dict(pool.removed),
-            "replaced_replicas": dict(pool.replaced),
-            "hybrid_events": list(hybrid.events) if hybrid is not None else [],
-            "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
-            "trainer": trainer,
-        }
-    )
-    return summary
+    return job_summary(
+        summary, run_dir=run_dir, tracker=tracker, plot=plot, tracer=tracer,
+        startup_s=p.setup_s + ready_s, pool=pool, hybrid=hybrid, trainer=trainer,
+    )  # fmt: skip
 
 
 async def run_job(

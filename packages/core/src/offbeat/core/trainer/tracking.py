@@ -232,6 +232,18 @@ class MetricsTracker:
         """Whether a progress bar is drawn (only on a terminal)."""
         return self._bar is not None
 
+    def finish(self, trace: str | Path | None = None) -> Path | None:
+        """The end of a run that trained to the end: its plot (None without matplotlib: the
+        results stay, the PNG is skipped), then `close` with the plot and the step
+        timeline `trace` as artifacts. Returns the plot's path."""
+        try:
+            plot = self.plot()
+        except ImportError as e:
+            logger.warning("no reward plot: %s", e)
+            plot = None
+        self.close(artifacts=[trace, plot])
+        return plot
+
     def close(self, *, artifacts: Sequence[str | Path | None] = (), failed: bool = False) -> None:
         """Close every sink; wandb and MLflow get the `artifacts` that exist (None and
         missing files are skipped) and end as failed or finished. A second call does
