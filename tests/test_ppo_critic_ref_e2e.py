@@ -129,8 +129,8 @@ def record_critic_batches(monkeypatch) -> list[dict]:
 
 def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     from offbeat.core.algorithms import explained_variance
-    from offbeat.core.train import build_actor_engine
-    from offbeat.core.trainer.reference import KLSettings, Reference
+    from offbeat.core.train import build_actor_engine, build_critic_engine, build_reference_engine
+    from offbeat.core.trainer.reference import Reference
 
     tmp, prepared, servers = world
     _, cfg = load_recipe_config(
@@ -189,7 +189,10 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     path = ckpt.latest()
     assert path is not None and path.name == f"step_{RUN_STEPS:08d}"
     job = run_cfg(prepared, cfg)
-    fresh = CriticAndReference.from_job(job)
+    fresh = CriticAndReference.build(
+        job.algorithm, job.critic, job.rollout,
+        critic_engine=build_critic_engine(job), reference_engine=build_reference_engine(job),
+    )  # fmt: skip
     actor = build_actor_engine(job)
     probe = probe_batch()
     temperature = done.reference.temperature
@@ -221,7 +224,7 @@ def test_ppo_gae_with_kl_runs_learns_values_and_resumes(world, monkeypatch):
     # ... while a reference on other weights (here the trained policy's: a resume whose
     # model.path names the run's final weights) is refused by the load, before any of the
     # saved state is applied to it
-    other = Reference(actor, KLSettings.from_job(job), temperature)
+    other = Reference(actor, job.algorithm, temperature)
     assert other.fingerprint != saved["fingerprint"]
     with pytest.raises(ValueError, match="reference model's weights differ"):
         CriticAndReference(reference=other).load_state(state["critic_ref"])

@@ -242,7 +242,7 @@ def hold_stragglers(monkeypatch) -> tuple[object, set[str], list[float]]:
         return batch
 
     async def save(self):
-        if self.step < self.s.total_training_steps:
+        if self.step < self.job.trainer.total_training_steps:
             t0 = time.perf_counter()
             while released:
                 await asyncio.sleep(0.02)

@@ -31,14 +31,14 @@ def test_registry_lists_megatron_beside_fsdp2():
 
 
 def test_job_config_selects_megatron_and_checks_trainer_devices_against_tp_times_pp():
-    from offbeat.backend_megatron import MegatronConfig
+    from offbeat.backend_megatron import megatron_config
     from offbeat.core.config import ConfigError, JobConfig, validate
 
     cfg = JobConfig()
     cfg.model.path = "some/model"
     cfg.actor.engine = "megatron"
     validate(cfg)  # TP = PP = 1 on the one trainer device
-    engine = MegatronConfig.from_job_config(cfg)
+    engine = megatron_config(cfg)
     assert (engine.model_path, engine.tensor_model_parallel_size) == ("some/model", 1)
 
     cfg.actor.tensor_model_parallel_size = 2
@@ -51,4 +51,4 @@ def test_job_config_selects_megatron_and_checks_trainer_devices_against_tp_times
     assert "multiple of actor.tensor_model_parallel_size" in problems["resources.trainer_devices"]
     assert "= 2" in problems["resources.trainer_devices"]
     assert "actor.tensor_model_parallel_size" not in problems  # megatron has TP
-    assert MegatronConfig.from_job_config(cfg).tensor_model_parallel_size == 2
+    assert megatron_config(cfg).tensor_model_parallel_size == 2

@@ -159,7 +159,7 @@ async def test_the_train_batch_attends_to_tool_tokens_but_trains_only_policy_tok
     trajs = await loop(client, tok).sample("g", ROW, 2)
     trajs[1].reward = 0.0  # a non-zero advantage for both
     group = PromptGroup(uid="g", seq=0, prompt=ROW, submission_step=0, trajectories=trajs)
-    batch, data = build_train_batch([group], make_settings(n=2))
+    batch, data = build_train_batch([group], make_settings(n=2).algorithm)
     mask = torch.tensor(trajs[0].response_mask)
     m = len(mask)
     assert data["response_mask"][0, :m].tolist() == mask.tolist()

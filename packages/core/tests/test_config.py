@@ -316,12 +316,12 @@ def test_parse_overrides_rejects_malformed():
 
 
 def test_actor_lr_schedule_is_checked_and_reaches_the_engine():
-    from offbeat.core.train.fsdp2 import FSDP2Config
+    from offbeat.core.train.fsdp2 import actor_engine_config
     from offbeat.core.train.optim import lr_factor
 
     cfg = good(actor__lr=1e-3, actor__lr_schedule="cosine", actor__min_lr_ratio=0.1)
     validate(cfg)
-    optim = FSDP2Config.from_job_config(cfg).optim
+    optim = actor_engine_config(cfg).optim
     assert optim.lr_schedule == "cosine" and optim.min_lr_ratio == 0.1
     updates = (
         cfg.trainer.total_training_steps
@@ -333,3 +333,22 @@ def test_actor_lr_schedule_is_checked_and_reaches_the_engine():
     assert lr_factor(optim, updates) == pytest.approx(0.1)  # the last update's LR
     found = problems_of(good(actor__lr_schedule="linear", actor__min_lr_ratio=2.0))
     assert "cosine" in found["actor.lr_schedule"] and "actor.min_lr_ratio" in found
+
+
+@pytest.mark.parametrize(
+    "over, key, phrase",
+    [
+        ({"actor__lr": 0.0}, "actor.lr", "actor.lr=0.0: must be > 0"),
+        ({"actor__weight_decay": -0.1}, "actor.weight_decay", "must be a number in [0.0, inf]"),
+        ({"actor__clip_ratio_low": 1.0}, "actor.clip_ratio_low", "must be < 1"),
+        ({"model__dtype": "fp16"}, "model.dtype", "must be one of float32, bfloat16, float16"),
+        ({"actor__lr_schedule": "cosine", "actor__lr_warmup_steps": 10}, "actor.lr_warmup_steps",
+         "must be < the run's 10 updates"),
+    ],
+)  # fmt: skip
+def test_what_the_train_engine_would_reject_is_rejected_before_it_starts(over, key, phrase):
+    """The engine's own config check (FSDP2Config / OptimConfig / PPOLossConfig.validate)
+    runs when a rank builds it, after the job started: every job key it would reject is a
+    config problem first, named with its job key."""
+    found = problems_of(good(**over))
+    assert phrase in found[key], found

@@ -124,7 +124,7 @@ async def test_separate_async_killed_mid_step_resumes_the_data_order_and_loses_n
     # The same data order: every position of either run holds the uninterrupted run's row,
     # and the resumed run's draws continue the checkpoint's stream with no gap.
     stream = dict(order0)
-    assert len(stream) == len(order0) >= STEPS * h0.settings.train_batch_size
+    assert len(stream) == len(order0) >= STEPS * h0.settings.data.train_batch_size
     for p, row in order1 + order2:
         assert stream.get(p, row) == row, (p, row, stream.get(p))
     positions2 = [p for p, _ in order2]
@@ -138,7 +138,7 @@ async def test_separate_async_killed_mid_step_resumes_the_data_order_and_loses_n
     assert (s["resumes"], s["reissued"]) == (1, len(reissue))
     assert s["drawn"] == s["trained"] + s["evicted"] + s["failed"] + s["in_flight"]
     assert s["first_position"] == 0 and s["next_position"] == s["drawn"]
-    assert s["trained"] == STEPS * h2.settings.train_batch_size
+    assert s["trained"] == STEPS * h2.settings.data.train_batch_size
     trained = led.positions("trained")
     assert len(trained) == len(set(trained)) == s["trained"]
     assert {led.record(u).status for u in reissue} <= {"trained", "evicted", "in_flight"}
@@ -203,7 +203,7 @@ async def test_a_run_sigkilled_mid_run_resumes_with_no_prompt_lost_or_duplicated
     assert summary["steps"] == STEPS
     s = summary["prompts"]
     assert s["resumes"] == 1 and s["first_position"] == 0
-    assert s["trained"] == STEPS * h.settings.train_batch_size
+    assert s["trained"] == STEPS * h.settings.data.train_batch_size
     assert s["drawn"] == s["trained"] + s["evicted"] + s["failed"] + s["in_flight"]
     h.buffer.core.prompts.check(set(h.buffer.core.live_uids()))
     assert [p for p, _ in drawn] == list(

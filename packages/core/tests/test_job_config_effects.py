@@ -17,8 +17,8 @@ from offbeat.core.cli import load_recipe_config
 from offbeat.core.models import build_tiny_model
 from offbeat.core.tasks import make_rows, write_parquet
 from offbeat.core.tasks.dataloader import steps_within_epochs
-from offbeat.core.train import FSDP2Config
-from offbeat.core.trainer import TrainerSettings, Validator
+from offbeat.core.train import actor_engine_config
+from offbeat.core.trainer import Validator
 from offbeat.core.trainer.job import prepare, run_header, split_gpus, wants_warm_start
 
 
@@ -76,9 +76,8 @@ def test_total_epochs_bounds_the_run_the_lr_horizon_and_the_progress(model_dir, 
     assert configured > 10
     p = prepare(cfg)
     assert p.cfg.trainer.total_training_steps == 10  # 40 rows / 4 prompts per step
-    assert TrainerSettings.from_job(p.cfg).total_training_steps == 10
     s = cfg.async_training.parameter_sync_step
-    assert FSDP2Config.from_job_config(p.cfg).optim.total_updates == 10 * s
+    assert actor_engine_config(p.cfg).optim.total_updates == 10 * s
     assert "trainer.total_epochs=1 leaves 10 steps" in run_header(p, 1, 0.0)
     # Without it the configured step count stands.
     assert prepare(job(data, f"model.path={model_dir}")).cfg.trainer.total_training_steps == (
@@ -146,7 +145,7 @@ class _CountingAgent:
 async def test_val_batch_size_bounds_validation_concurrency(data, val_batch_size):
     cfg = job(data, f"data.val_batch_size={val_batch_size}", "trainer.test_freq=1")
     agent = _CountingAgent()
-    validator = Validator.from_job(cfg, agent, [{"prompt": i} for i in range(10)])
+    validator = Validator.build(cfg.trainer, cfg.data, agent, [{"prompt": i} for i in range(10)])
     metrics = await validator.run()
     assert metrics["val/reward"] == 1.0
     assert agent.peak == val_batch_size
@@ -154,7 +153,7 @@ async def test_val_batch_size_bounds_validation_concurrency(data, val_batch_size
 
 def test_no_validator_when_the_job_never_validates(data):
     cfg = job(data, "trainer.test_freq=0", "trainer.val_before_train=false")
-    assert Validator.from_job(cfg, _CountingAgent(), [{"prompt": 0}]) is None
+    assert Validator.build(cfg.trainer, cfg.data, _CountingAgent(), [{"prompt": 0}]) is None
 
 
 def test_a_local_ray_gets_the_replicas_gpus_and_the_trainer_the_next(monkeypatch):

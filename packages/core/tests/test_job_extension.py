@@ -132,6 +132,7 @@ def faked_job(tmp_path, monkeypatch):
         "hybrid_replicas": lambda cfg: False, "shutdown_replicas": shutdown,
         "start_replicas": lambda p, pools=None: {"rollout-0": FakeServer("rollout-0")},
         "start_trainer": lambda cfg, pools: asyncio.sleep(0, side),
+        "start_trainer_side": lambda cfg, pools: asyncio.sleep(0, (side, pools, None)),
     }.items():  # fmt: skip
         monkeypatch.setattr(job, name, value)
     monkeypatch.setattr("offbeat.core.trainer.elastic.shutdown_replicas", shutdown)

@@ -12,7 +12,8 @@ from offbeat.core.algorithms import (
     apply_kl_penalty,
     build_kl_controller,
 )
-from offbeat.core.trainer.reference import KLSettings, Reference, weights_fingerprint
+from offbeat.core.config import AlgorithmConfig, KLControlConfig
+from offbeat.core.trainer.reference import Reference, weights_fingerprint
 
 
 def test_adaptive_controller_raises_beta_when_kl_is_above_target_and_lowers_it_below():
@@ -88,8 +89,8 @@ def batch(rows: int = 4) -> dict:
 
 
 def test_reference_in_reward_steps_its_controller_once_per_batch():
-    s = KLSettings(use_kl_in_reward=True, kl_penalty="k1", ctrl_type="adaptive", kl_coef=0.1,
-                   target_kl=0.2, horizon=8)  # fmt: skip
+    s = AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=KLControlConfig(
+        type="adaptive", kl_coef=0.1, target_kl=0.2, horizon=8))  # fmt: skip
     ref = Reference(FakeRefEngine(), s)
     data = batch()
     data["ref_log_probs"] = ref.log_probs(data)
@@ -102,8 +103,8 @@ def test_reference_in_reward_steps_its_controller_once_per_batch():
 
 
 def test_reference_state_restores_controller_and_refuses_other_weights():
-    s = KLSettings(use_kl_in_reward=True, ctrl_type="adaptive", kl_coef=0.1, target_kl=0.1,
-                   horizon=4)  # fmt: skip
+    s = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(
+        type="adaptive", kl_coef=0.1, target_kl=0.1, horizon=4))  # fmt: skip
     a = Reference(FakeRefEngine(), s)
     data = batch()
     data["ref_log_probs"] = a.log_probs(data)

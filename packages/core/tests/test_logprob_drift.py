@@ -225,8 +225,8 @@ async def test_loop_marks_the_first_mini_batch_and_only_same_version_trajectorie
 ):
     batches = []
 
-    def recording(groups, s):
-        batch, data = build(groups, s)
+    def recording(groups, *args):
+        batch, data = build(groups, *args)
         batches.append(batch)
         return batch, data
 
@@ -236,8 +236,8 @@ async def test_loop_marks_the_first_mini_batch_and_only_same_version_trajectorie
     h = Harness(tmp_path, engine=engine, threshold=2, strategy="drop", warmup=1,
                 total_training_steps=4)  # fmt: skip
     await h.run()
-    sync_steps = h.settings.parameter_sync_step
-    rows = h.settings.ppo_mini_batch_size * h.settings.n
+    sync_steps = h.settings.async_training.parameter_sync_step
+    rows = h.settings.actor.ppo_mini_batch_size * h.settings.rollout.n
     assert len(engine.masks) == 4 * sync_steps
     same_rows = stale_rows = 0
     for step, batch in enumerate(batches, start=1):

@@ -253,7 +253,7 @@ def record_joins(h: Harness) -> list[tuple[str, int, int, bool]]:
     real_add = h.balancer.add_servers
 
     def add_servers(servers):
-        trainer_version = h.engine.updates // h.settings.parameter_sync_step
+        trainer_version = h.engine.updates // h.settings.async_training.parameter_sync_step
         for i, server in servers.items():
             w = server.weights.get("model.w")
             same = w is not None and torch.equal(w, h.engine.w)
@@ -352,7 +352,7 @@ async def test_the_only_replica_dying_after_a_sync_with_a_batch_ready_does_not_h
     async def sync_then_die(named_tensors, version):
         result = await real_sync(named_tensors, version)
         if version == 1:
-            while h.buffer.core.counts()["finished"] < h.settings.train_batch_size:
+            while h.buffer.core.counts()["finished"] < h.settings.data.train_batch_size:
                 await asyncio.sleep(0.002)
             s0.dead = True
             assert await h.pool.check_health() == ["s0"] and not h.pool.servers

@@ -108,10 +108,11 @@ def test_a_dead_rank_found_through_causes_and_groups():
 
 
 def test_max_restarts_auto_needs_checkpoints_mid_run():
-    assert max_restarts(cfg(save_freq=5)) == 2
-    assert max_restarts(cfg(save_freq=0)) == 0 and max_restarts(cfg(save_freq=-1)) == 0
-    assert max_restarts(cfg(save_freq=0, restarts=0)) == 0
-    assert max_restarts(cfg(save_freq=5, restarts=4)) == 4
+    assert max_restarts(cfg(save_freq=5).trainer) == 2
+    assert max_restarts(cfg(save_freq=0).trainer) == 0
+    assert max_restarts(cfg(save_freq=-1).trainer) == 0
+    assert max_restarts(cfg(save_freq=0, restarts=0).trainer) == 0
+    assert max_restarts(cfg(save_freq=5, restarts=4).trainer) == 4
     job = FakeJob(dead_rank(), None)  # auto without checkpoints: no restart
     with pytest.raises(TrainerRankFailed):
         asyncio.run(run_with_restarts(job, cfg(save_freq=0)))

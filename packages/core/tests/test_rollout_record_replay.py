@@ -76,7 +76,7 @@ class Capturing:
 def job(h: Harness, **rollout) -> JobConfig:
     cfg = JobConfig()
     cfg.model.path = "fake-model"
-    cfg.rollout.n = h.settings.n
+    cfg.rollout.n = h.settings.rollout.n
     for key, value in rollout.items():
         section, name = key.split("__")
         setattr(getattr(cfg.rollout, section), name, value)

@@ -125,7 +125,7 @@ def test_a_dead_rank_stops_the_run_naming_it_and_the_step_then_it_restarts_and_r
     assert summary["steps"] == 4 and summary["version"] == 4
     # the replicas were brought to the restored version 2, then synced at steps 3 and 4
     assert [r.version for r in h2.trainer.sync_results] == [3, 4]
-    per_step = h1.settings.train_batch_size
+    per_step = h1.settings.data.train_batch_size
     assert h2.trainer.trained_uids[: 2 * per_step] == h1.trainer.trained_uids[: 2 * per_step]
     assert len(h2.trainer.trained_uids) == 4 * per_step
     check_accounting(h2)

@@ -12,6 +12,7 @@ import asyncio
 import pytest
 import torch
 
+from offbeat.core.config import AlgorithmConfig
 from offbeat.core.runtime import (
     GroupCriticEngine,
     GroupReferenceEngine,
@@ -21,7 +22,7 @@ from offbeat.core.runtime import (
     gather_rows,
     split_by_tokens,
 )
-from offbeat.core.trainer import Critic, KLSettings, Reference
+from offbeat.core.trainer import Critic, Reference
 
 
 @pytest.fixture(autouse=True)
@@ -232,7 +233,7 @@ def test_the_proxies_need_the_roles_on_the_ranks():
 def test_reference_takes_the_ranks_fingerprint_never_the_weights():
     group, _ = make_group(2)
     engine = GroupReferenceEngine(group)
-    reference = Reference(engine, KLSettings(use_kl_loss=True))
+    reference = Reference(engine, AlgorithmConfig(use_kl_loss=True))
     assert reference.fingerprint == [3.0, 1.5, 2.25]
     with pytest.raises(TypeError, match="weights stay on its ranks"):
         iter(engine.export_weights()).__next__()

@@ -20,9 +20,11 @@ from offbeat.core.train import (
     PPOLoss,
     PPOLossConfig,
     TrainEngine,
+    actor_engine_config,
     build_actor_engine,
     lr_factor,
     make_train_engine_actor,
+    ppo_loss_config,
 )
 from offbeat.core.train._metrics import MetricSums
 
@@ -115,12 +117,12 @@ def job_config(model_dir) -> JobConfig:
 
 def test_from_job_config_maps_the_keys(model_dir):
     job = job_config(model_dir)
-    c = FSDP2Config.from_job_config(job)
+    c = actor_engine_config(job)
     assert (c.model_path, c.micro_batch_size, c.temperature) == (str(model_dir), 3, 0.8)
     assert (c.device, c.param_dtype, c.export_dtype) == ("cpu", "float32", "float32")
     assert (c.optim.lr, c.optim.warmup_updates) == (2e-3, 2)
     assert c.optim.total_updates == 5 * 3 * 2  # steps x parameter_sync_step x epochs
-    loss = PPOLossConfig.from_job_config(job)
+    loss = ppo_loss_config(job)
     assert loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.horizon == 40.0
     assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.2, 0.2, 3.0)
 
@@ -129,7 +131,7 @@ def test_model_override_config_reaches_the_built_model(model_dir):
     job = job_config(model_dir)
     plain = build_actor_engine(job).model
     job.model.override_config = {"rms_norm_eps": 0.5, "attention_dropout": 0.25}
-    assert FSDP2Config.from_job_config(job).override_config == job.model.override_config
+    assert actor_engine_config(job).override_config == job.model.override_config
     model = build_actor_engine(job).model
     assert (model.config.rms_norm_eps, model.config.attention_dropout) == (0.5, 0.25)
     assert plain.config.rms_norm_eps != 0.5

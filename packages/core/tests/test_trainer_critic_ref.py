@@ -13,7 +13,8 @@ import torch
 from trainer_fakes import Harness
 
 from offbeat.core.algorithms import gae_advantages, sequence_to_token_rewards
-from offbeat.core.trainer import Critic, CriticAndReference, KLSettings, Reference
+from offbeat.core.config import AlgorithmConfig, KLControlConfig
+from offbeat.core.trainer import Critic, CriticAndReference, Reference
 
 ROLLOUT_LP = -0.1  # FakeServer's log-prob of every token
 REF_LP = -0.5
@@ -59,8 +60,9 @@ class FakeRefEngine:
 
 
 def parts(estimator="gae", *, in_reward=True, ref_shift=0.0, lam=0.9) -> CriticAndReference:
-    kl = KLSettings(use_kl_loss=True, use_kl_in_reward=in_reward, kl_penalty="k1",
-                    ctrl_type="adaptive", kl_coef=0.05, target_kl=0.1, horizon=16)  # fmt: skip
+    kl = AlgorithmConfig(use_kl_loss=True, use_kl_in_reward=in_reward, kl_penalty="k1",
+                         kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.1,
+                                                 horizon=16))  # fmt: skip
     critic = Critic(FakeCriticEngine(), gamma=1.0, lam=lam) if estimator == "gae" else None
     reference = Reference(FakeRefEngine(ref_shift), kl)
     return CriticAndReference(critic=critic, reference=reference, adv_estimator=estimator)
@@ -145,7 +147,7 @@ async def test_resume_restores_critic_reference_and_kl_controller(tmp_path):
     (tmp_path / "other").mkdir()
     h3 = harness(tmp_path / "other", parts(ref_shift=1.0), total_training_steps=1)
     h3.trainer.checkpoints = h1.checkpoints
-    h3.settings.resume = True
+    h3.settings.trainer.resume = True
     with pytest.raises(ValueError, match="reference model's weights differ"):
         await h3.run()
 

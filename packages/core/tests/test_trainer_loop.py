@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
-from trainer_fakes import FakeTokenizer, Harness, check_accounting, make_settings
+from trainer_fakes import FakeTokenizer, Harness, check_accounting
 
 from offbeat.core.rewards import RewardRegistry, register_reward
 from offbeat.core.rollout import TokenOutput
 from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet
 from offbeat.core.trace import MAIN_TRACK, Tracer, nesting_problems
-from offbeat.core.trainer import SingleTurnAgentLoop, Trainer
+from offbeat.core.trainer import SingleTurnAgentLoop
 from offbeat.core.trainer.watchdog import StallError
 
 
@@ -56,7 +56,7 @@ async def test_separate_async_three_steps_versions_spans_evictions(tmp_path):
     assert max(r["off_policy/trajectory_spans_max"] for r in train_rows) <= 2
     # Refills: step 1 admits the pipeline (2 batches); each later step admits the slots its
     # predecessor trained plus exactly one per group evicted at that step.
-    gps = h.settings.train_batch_size
+    gps = h.settings.data.train_batch_size
     assert dict(h.buffer.submitted_at) == {1: 2 * gps, 2: gps, 3: gps + 2}
     # Accounting: every submitted uid is trained, evicted or live, exactly once.
     trained, evicted = set(h.trainer.trained_uids), set(h.trainer.evicted_uids)
@@ -103,10 +103,10 @@ async def test_decoupled_ppo_uses_start_of_step_weights(tmp_path):
     # one proximal forward per step, before that step's 2 updates
     assert h.engine.log_prob_calls == [0, 2, 4]
     # each update trained against the recomputed log-probs of its own rows, not the rollout's
-    rows = h.settings.ppo_mini_batch_size * h.settings.n
+    rows = h.settings.actor.ppo_mini_batch_size * h.settings.rollout.n
     assert len(h.engine.batches) == 6
     for u, mb in enumerate(h.engine.batches):
-        step, k = divmod(u, h.settings.parameter_sync_step)
+        step, k = divmod(u, h.settings.async_training.parameter_sync_step)
         recomputed = h.engine.recomputed[step][k * rows : (k + 1) * rows]
         assert torch.equal(mb["old_log_probs"], recomputed)
         assert not torch.equal(mb["old_log_probs"], mb["rollout_log_probs"])
@@ -128,7 +128,7 @@ async def test_drop_mode_evictions_are_counted_and_refilled(tmp_path):
     assert rows[-1]["buffer/evicted_total"] == h.buffer.core.counts()["evicted"]
     # Refills: step 1 admits the pipeline (2 batches of 2); each later step admits the 2
     # slots its predecessor trained plus exactly one per group evicted at that step.
-    gps = h.settings.train_batch_size
+    gps = h.settings.data.train_batch_size
     expected = {1: 2 * gps} | {s: gps + evicted_at[s] for s in range(2, 6)}
     assert dict(h.buffer.submitted_at) == expected
     assert h.buffer.core.counts()["failed"] == 0
@@ -214,10 +214,18 @@ async def test_a_hung_rollout_fails_the_run_instead_of_hanging(tmp_path):
     assert e.value.stage == "generation[s0]"
 
 
-def test_settings_reject_unknown_mode():
-    with pytest.raises(ValueError, match=r"trainer\.mode='fast'"):
-        Trainer(make_settings(mode="fast"), engine=None, buffer=None, driver=None, pool=None,
-                tracker=None)  # fmt: skip
+def test_an_unknown_mode_is_rejected_before_the_trainer_starts():
+    """trainer.mode has one check, the config rule: it names the key, the value and the
+    modes the loop runs (`MODES`)."""
+    from offbeat.core.config import ConfigError, JobConfig, validate
+    from offbeat.core.trainer import MODES
+
+    cfg = JobConfig()
+    cfg.model.path, cfg.trainer.mode = "m", "fast"
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    mine = [str(x) for x in e.value.problems if x.key == "trainer.mode"]
+    assert mine == [f"trainer.mode='fast': must be one of {', '.join(MODES)}"]
 
 
 async def test_trace_has_steps_buffer_waits_train_syncs_and_lanes_per_replica(tmp_path):

@@ -20,6 +20,7 @@ import torch
 from offbeat.balancer.aio import AsyncLoadBalancer
 from offbeat.ckpt_engine import ReceiveSpec, receive
 from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
+from offbeat.core.config import JobConfig
 from offbeat.core.rewards import RewardRegistry
 from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig, TokenOutput
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup
@@ -31,7 +32,6 @@ from offbeat.core.trainer import (
     RolloutDriver,
     SingleTurnAgentLoop,
     Trainer,
-    TrainerSettings,
     Validator,
 )
 from offbeat.core.trainer.hybrid import HybridReplicas
@@ -232,13 +232,31 @@ class RecordingBuffer(AsyncReplayBuffer):
         return batch, evicted
 
 
-def make_settings(**kw) -> TrainerSettings:
+# The section of each job key the trainer reads, by its name (`make_settings(n=4)`).
+_SECTIONS = {
+    "train_batch_size": "data", "ppo_mini_batch_size": "actor", "ppo_epochs": "actor",
+    "parameter_sync_step": "async_training", "n": "rollout", "temperature": "rollout",
+    "adv_estimator": "algorithm", "norm_adv_by_std_in_grpo": "algorithm",
+    "old_log_prob_source": "algorithm",
+}  # fmt: skip
+
+
+def make_settings(**kw) -> JobConfig:
+    """The job config a test's trainer runs: small steps, no checkpoints, no stall
+    watchdog, with `kw` (key names without their section) over it."""
     base = dict(
         mode="separate_async", total_training_steps=3, train_batch_size=2,
         ppo_mini_batch_size=1, parameter_sync_step=2, n=2, save_freq=-1,
+        stall_timeout_s=None,
     )  # fmt: skip
     base.update(kw)
-    return TrainerSettings(**base)
+    job = JobConfig()
+    for key, value in base.items():
+        section = getattr(job, _SECTIONS.get(key, "trainer"))
+        if not hasattr(section, key):
+            raise TypeError(f"make_settings: no job key {key!r}")
+        setattr(section, key, value)
+    return job
 
 
 class Harness:
@@ -265,9 +283,9 @@ class Harness:
         self.own_group = not isinstance(self.engine, TrainerGroup)
         self.group = TrainerGroup.around(self.engine) if self.own_group else self.engine
         self.manager = GroupCheckpointEngine(self.group, "naive", phase_timeout_s=10)
-        depth_warmup = 0 if self.settings.mode == "sync" else warmup
+        depth_warmup = 0 if self.settings.trainer.mode == "sync" else warmup
         self.buffer = RecordingBuffer(
-            BufferConfig(self.settings.train_batch_size, threshold, strategy, depth_warmup)
+            BufferConfig(self.settings.data.train_batch_size, threshold, strategy, depth_warmup)
         )
         self.pool = ReplicaPool(
             self.servers, self.balancer, self.manager, health_timeout_s=2, replacement=replacement
@@ -278,7 +296,7 @@ class Harness:
         )  # fmt: skip
         agent = wrap_agent(self.agent) if wrap_agent else self.agent
         self.driver = RolloutDriver(
-            self.buffer, self.loader, agent, n=self.settings.n, max_concurrent_groups=4,
+            self.buffer, self.loader, agent, n=self.settings.rollout.n, max_concurrent_groups=4,
             max_consecutive_failures=max_failures,
         )  # fmt: skip
         self.pool.on_pause = self.driver.clock.pause

@@ -387,4 +387,4 @@ def test_offbeat_check_validates_rollout_pd_against_the_devices(tmp_path, monkey
     validate(ok)
     from offbeat.core.config.support import replica_devices
 
-    assert replica_devices(ok) == 2
+    assert replica_devices(ok.rollout) == 2

@@ -7,7 +7,7 @@ entry-point group (`register`). Importing this package does not import megatron-
 the engine imports it when it is built, so configs can be checked without it.
 """
 
-from offbeat.backend_megatron.config import MegatronConfig
+from offbeat.backend_megatron.config import MegatronConfig, megatron_config
 from offbeat.backend_megatron.convert import (
     SUPPORTED_MODEL_TYPES,
     DecoderSpec,
@@ -32,6 +32,7 @@ __all__ = [  # the engine and its config, the conversion table, the registry hoo
     "MegatronTrainEngine",
     "hf_to_megatron",
     "join_tp_shards",
+    "megatron_config",
     "megatron_names",
     "megatron_to_hf",
     "register",

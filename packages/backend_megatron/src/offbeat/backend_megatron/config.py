@@ -2,19 +2,22 @@
 sequence parallelism), how it optimises (optimizer path, `OptimConfig`).
 
 Knows nothing about megatron-core itself: a plain dataclass that a Hydra job fills through
-`from_job_config` and that validates itself with errors naming the key and what is valid.
+`megatron_config` and that validates itself with errors naming the key and what is valid.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from offbeat.core.train.optim import OptimConfig
 
-__all__ = ["DTYPES", "OPTIMIZERS", "MegatronConfig"]
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
+
+__all__ = ["DTYPES", "OPTIMIZERS", "MegatronConfig", "megatron_config"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIMIZERS = ("auto", "megatron", "torch")
@@ -74,25 +77,26 @@ class MegatronConfig:
             raise ValueError(f"{prefix}.peak_tflops={self.peak_tflops!r}: must be > 0, or None")
         self.optim.validate(f"{prefix}.optim")
 
-    @classmethod
-    def from_job_config(cls, job: Any) -> MegatronConfig:
-        """The actor's engine config from a `offbeat.core.config.JobConfig` (as
-        `FSDP2Config.from_job_config`, plus the actor's TP and PP sizes)."""
-        from offbeat.core.train import FSDP2Config
 
-        base = FSDP2Config.from_job_config(job)
-        return cls(
-            model_path=base.model_path,
-            device=base.device,
-            micro_batch_size=base.micro_batch_size,
-            temperature=base.temperature,
-            param_dtype=base.param_dtype,
-            export_dtype=base.export_dtype,
-            tensor_model_parallel_size=job.actor.tensor_model_parallel_size,
-            pipeline_model_parallel_size=job.actor.pipeline_model_parallel_size,
-            gradient_checkpointing=base.gradient_checkpointing,
-            trust_remote_code=base.trust_remote_code,
-            override_config=base.override_config,
-            seed=job.trainer.seed,
-            optim=base.optim,
-        )
+def megatron_config(job: JobConfig) -> MegatronConfig:
+    """The actor's Megatron settings, the one place that reads them from a job: as the
+    FSDP2 engine's (`offbeat.core.train.actor_engine_config`), plus the actor's TP and PP
+    sizes and trainer.seed."""
+    from offbeat.core.train import actor_engine_config
+
+    base = actor_engine_config(job)
+    return MegatronConfig(
+        model_path=base.model_path,
+        device=base.device,
+        micro_batch_size=base.micro_batch_size,
+        temperature=base.temperature,
+        param_dtype=base.param_dtype,
+        export_dtype=base.export_dtype,
+        tensor_model_parallel_size=job.actor.tensor_model_parallel_size,
+        pipeline_model_parallel_size=job.actor.pipeline_model_parallel_size,
+        gradient_checkpointing=base.gradient_checkpointing,
+        trust_remote_code=base.trust_remote_code,
+        override_config=base.override_config,
+        seed=job.trainer.seed,
+        optim=base.optim,
+    )

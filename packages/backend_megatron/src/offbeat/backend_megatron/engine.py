@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from offbeat.backend_megatron import _checkpoint, _inputs, _model
 from offbeat.backend_megatron._logprobs import vocab_parallel_log_probs
 from offbeat.backend_megatron._parallel import MegatronOptimizer, TorchOptimizer, init_parallel
-from offbeat.backend_megatron.config import DTYPES, MegatronConfig
+from offbeat.backend_megatron.config import DTYPES, MegatronConfig, megatron_config
 from offbeat.backend_megatron.convert import (
     DecoderSpec,
     global_name,
@@ -43,7 +43,10 @@ from offbeat.core.train.flops import (
     perf_metrics,
     training_flops,
 )
-from offbeat.core.train.loss import PPOLoss, PPOLossConfig
+from offbeat.core.train.loss import PPOLoss, ppo_loss_config
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["MegatronConfig", "MegatronTrainEngine"]
 
@@ -55,10 +58,14 @@ class MegatronTrainEngine:
     with the same config and calls every method. `loss_fn` as the FSDP2 engine's."""
 
     @classmethod
-    def from_job_config(cls, job: Any, *, loss_fn: LossFn | None = None) -> MegatronTrainEngine:
+    def from_job_config(
+        cls, job: JobConfig, *, loss_fn: LossFn | None = None
+    ) -> MegatronTrainEngine:
+        """The actor engine of a job (`megatron_config`), with its PPO loss
+        (`offbeat.core.train.ppo_loss_config`)."""
         if loss_fn is None:
-            loss_fn = PPOLoss(PPOLossConfig.from_job_config(job))
-        return cls(MegatronConfig.from_job_config(job), loss_fn=loss_fn)
+            loss_fn = PPOLoss(ppo_loss_config(job))
+        return cls(megatron_config(job), loss_fn=loss_fn)
 
     def __init__(self, config: MegatronConfig, loss_fn: LossFn | None = None) -> None:
         from megatron.core import parallel_state as ps

@@ -21,7 +21,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = [
     "LOG_ENV",
@@ -48,7 +51,7 @@ def run_logs_dir(log_dir: str | os.PathLike, experiment_name: str) -> Path:
     return Path(log_dir).absolute() / experiment_name / "logs"
 
 
-def replica_log_path(job: Any, server_id: str) -> Path | None:
+def replica_log_path(job: JobConfig, server_id: str) -> Path | None:
     """The file replica `server_id` of `job` (a RunConfig) writes to, or None when
     `trainer.verbose` keeps its output on the console (through Ray's log forwarding)."""
     t = getattr(job, "trainer", None)

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.planner._cores import CoreSampler, busy_fraction, union
 from offbeat.planner.profile import (
@@ -36,6 +36,9 @@ from offbeat.planner.profile import (
     TrainerProfile,
     ValidationProfile,
 )
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
 
 __all__ = [
     "busy_intervals_from_trace",
@@ -181,7 +184,7 @@ def _recorded_lengths(record_dir: Path) -> tuple[list[int], float, float]:
     return lengths, mean(prompts), mean(widths)
 
 
-def measure_trainer(cfg: Any, seq_lens: list[int], *, repeats: int = 2) -> TrainerProfile:
+def measure_trainer(cfg: RunConfig, seq_lens: list[int], *, repeats: int = 2) -> TrainerProfile:
     """The job's train engine (built in this process, as an in-driver trainer) on
     mini-batches of the job's shape: rows = ppo_mini_batch_size x n, each padded to
     `seq_len` tokens, a quarter of them response. Median of `repeats` after one warm-up."""
@@ -246,14 +249,14 @@ def short_run_overrides(work: Path, steps: int) -> list[str]:
     ]  # fmt: skip
 
 
-def replica_cores(cfg: Any) -> tuple[list[int], int]:
+def replica_cores(cfg: RunConfig) -> tuple[list[int], int]:
     """(cores of replica 0, replicas on those cores): its share of runtime.rollout_cpus on
     CPU ([] when not pinned or not a CPU, with every replica counted as sharing when
     unpinned on CPU)."""
     from offbeat.core.config.support import replica_devices
     from offbeat.planner.plan import replica_devices_of
 
-    replicas = max(1, cfg.resources.rollout_devices // replica_devices(cfg))
+    replicas = max(1, cfg.resources.rollout_devices // replica_devices(cfg.rollout))
     devices = replica_devices_of(cfg, replicas)
     shared_by = devices.count(devices[0]) if devices else 1
     cpus = list(getattr(getattr(cfg, "runtime", None), "rollout_cpus", None) or [])
@@ -344,7 +347,7 @@ def profile_recipe(
     return prof
 
 
-def profile_from_run(cfg: Any, work: Path, trainer: TrainerProfile | None = None) -> Profile:
+def profile_from_run(cfg: RunConfig, work: Path, trainer: TrainerProfile | None = None) -> Profile:
     """The profile of the short run in `work` (its metrics, trace and recorded batches);
     `trainer`: engine points measured already (None: measure them now)."""
     from offbeat.core.trainer.job import prepare

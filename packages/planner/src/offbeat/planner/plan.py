@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from offbeat.planner.profile import SCALING_ASSUMPTIONS, Profile
 from offbeat.planner.simulator import SimConfig, SimResult, simulate
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
 
 __all__ = [
     "Candidate",
@@ -32,7 +35,7 @@ TP_CHOICES = (1, 2, 4, 8)
 SINGLE_MACHINE_BACKENDS = ("shm", "cuda_ipc")
 
 
-def replica_devices_of(cfg: Any, replicas: int) -> tuple[int, ...]:
+def replica_devices_of(cfg: RunConfig, replicas: int) -> tuple[int, ...]:
     """The device each of `replicas` rollout replicas decodes on, as the job places them:
     on CPU, replicas with the same share of `runtime.rollout_cpus` share those cores (two
     replicas on one core), and unpinned ones share the machine; on GPUs each replica has
@@ -51,7 +54,7 @@ def replica_devices_of(cfg: Any, replicas: int) -> tuple[int, ...]:
     )
 
 
-def sim_config_from_job(cfg: Any, profile: Profile, *, steps: int | None = None) -> SimConfig:
+def sim_config_from_job(cfg: RunConfig, profile: Profile, *, steps: int | None = None) -> SimConfig:
     """The simulator's view of a (validated) job config."""
     a, s, t, r = cfg.async_training, cfg.actor, cfg.trainer, cfg.resources
     rt = getattr(cfg, "runtime", None)
@@ -90,7 +93,7 @@ def sim_config_from_job(cfg: Any, profile: Profile, *, steps: int | None = None)
     )
 
 
-def predict(cfg: Any, profile: Profile, *, steps: int | None = None) -> SimResult:
+def predict(cfg: RunConfig, profile: Profile, *, steps: int | None = None) -> SimResult:
     """The simulated run of `cfg` as given."""
     return simulate(sim_config_from_job(cfg, profile, steps=steps), profile)
 
@@ -121,7 +124,7 @@ class Candidate:
         total = sum(st.values())
         return sum(k * v for k, v in st.items()) / total if total else 0.0
 
-    def overrides(self, nodes: int, devices: int, cfg: Any = None) -> list[str]:
+    def overrides(self, nodes: int, devices: int, cfg: RunConfig | None = None) -> list[str]:
         """The overrides that run this candidate; with `cfg`, also what the split makes
         necessary beyond it (a weight sync that crosses machines on many nodes)."""
         out = [
@@ -173,7 +176,7 @@ def _trainer_sizes(devices: int, per_node: int) -> list[int]:
     return sorted(sizes)
 
 
-def candidates(cfg: Any, req: PlanRequest, profile: Profile) -> list[Candidate]:
+def candidates(cfg: RunConfig, req: PlanRequest, profile: Profile) -> list[Candidate]:
     """Every split of `req.devices` the job config's rules accept."""
     rows = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     mp = cfg.actor.tensor_model_parallel_size * cfg.actor.pipeline_model_parallel_size
@@ -211,7 +214,7 @@ def sweep(
     return out
 
 
-def plan(cfg: Any, req: PlanRequest, profile: Profile) -> list[Candidate]:
+def plan(cfg: RunConfig, req: PlanRequest, profile: Profile) -> list[Candidate]:
     """Every candidate simulated, fastest first."""
     base = sim_config_from_job(cfg, profile, steps=req.steps)
     return rank(base, candidates(cfg, req, profile), profile)

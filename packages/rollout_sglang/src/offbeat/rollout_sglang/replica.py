@@ -20,6 +20,7 @@ from offbeat.core.rollout.remote import RemoteRolloutServer, replica_actor
 from offbeat.rollout_sglang.server import SGLangServerConfig
 
 if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
     from offbeat.core.rollout.replica_spec import ReplicaSpec
 
 # The python that runs `sglang.launch_server` (default: the actor's own).
@@ -64,7 +65,7 @@ def _why(k: str) -> str:
 
 
 @check
-def _no_vllm_engine_kwargs(cfg: Any, p: Problems) -> None:
+def _no_vllm_engine_kwargs(cfg: JobConfig, p: Problems) -> None:
     """`rollout.engine=sglang` with a vLLM engine argument fails before anything starts."""
     rollout = getattr(cfg, "rollout", None)
     if rollout is None or rollout.engine != "sglang" or not rollout.engine_kwargs:
@@ -73,7 +74,7 @@ def _no_vllm_engine_kwargs(cfg: Any, p: Problems) -> None:
         p.add(f"rollout.engine_kwargs.{k}", rollout.engine_kwargs[k], _why(k))
 
 
-def server_args_of(job: Any) -> dict[str, Any]:
+def server_args_of(job: JobConfig) -> dict[str, Any]:
     """`sglang.launch_server` arguments for `job`: what the job config owns (dtype, tensor
     parallelism, tokenizer, remote-code switch, HF config overrides) plus
     `rollout.engine_kwargs`, which are SGLang `ServerArgs` fields here (a key set to null

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any
 from offbeat.rollout_vllm._prestart import ENV as PRESTART_ENV
 
 if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
+    from offbeat.core.config.schema import JobConfig
     from offbeat.core.rollout.replica_spec import ReplicaSpec
 
 __all__ = ["OMP_BIND", "engine_kwargs_of", "omp_bind", "register", "replica_cpus", "vllm_replica"]
 
 
-def engine_kwargs_of(job: Any) -> dict[str, Any]:
+def engine_kwargs_of(job: JobConfig) -> dict[str, Any]:
     """vLLM's engine arguments for `job`: what the job config owns (the model's dtype, HF
     config overrides, tokenizer and remote-code switch, the rollout's tensor parallelism),
     so the replicas see the model exactly as the trainer does, plus `rollout.engine_kwargs`
@@ -61,7 +63,7 @@ def omp_bind(cpus: list[int], ranks: int) -> str:
 
 
 def replica_cpus(
-    job: Any, index: int, cpus: list[int] | None = None
+    job: RunConfig, index: int, cpus: list[int] | None = None
 ) -> tuple[list[int], dict[str, str]]:
     """(cores, env vars) of replica `index`: its share of `runtime.rollout_cpus` (every
     process of the replica is confined to it), or `cpus` when given (a hybrid replica
@@ -77,7 +79,7 @@ def replica_cpus(
             return [], env
         from offbeat.core.config.support import replica_devices
 
-        replicas = job.resources.rollout_devices // replica_devices(job)
+        replicas = job.resources.rollout_devices // replica_devices(job.rollout)
         cpus = share_of(list(rt.rollout_cpus), replicas, index)
     if not cpus:
         return [], env

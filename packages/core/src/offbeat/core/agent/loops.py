@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import Registry
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["AGENT_LOOPS", "AgentConfig", "AgentLoopRouter", "build_agent"]
 
@@ -121,7 +124,7 @@ def build_agent(
 
 # ---- config rules (run by offbeat.core.config.validate) ---------------------------------
 @check
-def _agent_rules(cfg: Any, p: Problems) -> None:
+def _agent_rules(cfg: JobConfig, p: Problems) -> None:
     a = getattr(cfg, "agent", None)
     if a is None:
         return

@@ -69,7 +69,7 @@ class DataConfig:
 class ModelConfig:
     path: str = ""  # HF model directory (or what the model builder understands)
     tokenizer_path: str = ""  # empty: same as `path`
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
     trust_remote_code: bool = False
     # Set on the model's HF config, by the trainer and by the rollout engines alike (vLLM:
     # hf_overrides), e.g. {attention_dropout: 0.0}; keys must exist in that config.

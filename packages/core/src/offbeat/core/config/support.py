@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.schema import (
     AlgorithmConfig,
@@ -32,6 +32,9 @@ from offbeat.core.config.schema import (
 )
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import ADV_ESTIMATORS, DEVICES, KL_ESTIMATORS, TRAIN_ENGINES
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig, RolloutConfig
 
 __all__ = [
     "critic_estimators",
@@ -73,17 +76,17 @@ def needs_reference(algorithm: Any) -> bool:
     return algorithm.use_kl_loss is True or algorithm.use_kl_in_reward is True
 
 
-def replica_devices(cfg: Any) -> int:
+def replica_devices(rollout: RolloutConfig) -> int:
     """Devices one rollout replica takes: `rollout.tensor_parallel_size`, times its
     engines for a prefill-decode replica whose engines have devices of their own."""
-    tp = cfg.rollout.tensor_parallel_size
-    pd = getattr(cfg.rollout, "pd", None)
+    tp = rollout.tensor_parallel_size
+    pd = getattr(rollout, "pd", None)
     if pd is not None and pd.enabled is True and pd.share_device is not True:
         return tp * (pd.prefill_engines + pd.decode_engines)
     return tp
 
 
-def separate_groups(cfg: Any) -> dict[str, Any]:
+def separate_groups(cfg: JobConfig) -> dict[str, Any]:
     """Role ("critic", "reference") -> its `devices` (ranks of its own worker group), for
     each model the algorithm reads and places in a group of its own (`placement=separate`);
     none for a config without those sections."""
@@ -99,7 +102,7 @@ def separate_groups(cfg: Any) -> dict[str, Any]:
 
 
 @check
-def _devices_add_up(cfg: Any, p: Problems) -> None:
+def _devices_add_up(cfg: JobConfig, p: Problems) -> None:
     """The trainer's, the rollout's and any separate group's devices fill the nodes (here,
     beside `separate_groups`; the counts themselves are checked by validation's rules)."""
     r = cfg.resources
@@ -148,7 +151,7 @@ def _builds(engine: Any, builder: str) -> bool | None:
 
 
 @check
-def _not_built_yet(cfg: Any, p: Problems) -> None:
+def _not_built_yet(cfg: JobConfig, p: Problems) -> None:
     """The one place that rejects what the schema accepts but nothing builds yet."""
     al, a, r = cfg.algorithm, cfg.actor, cfg.resources
     if needs_critic(al.adv_estimator) and (_builds(cfg.critic.engine, "critic") is False):
@@ -206,7 +209,7 @@ def _reject_changed(
 
 
 @check
-def _settings_of_features_that_are_off(cfg: Any, p: Problems) -> None:
+def _settings_of_features_that_are_off(cfg: JobConfig, p: Problems) -> None:
     al, defaults = cfg.algorithm, AlgorithmConfig()
     est = al.adv_estimator
     if not needs_critic(est):
@@ -283,7 +286,7 @@ def _placement_devices(p: Problems, section: str, c: Any) -> None:
 
 
 @check
-def _critic_and_reference_values(cfg: Any, p: Problems) -> None:
+def _critic_and_reference_values(cfg: JobConfig, p: Problems) -> None:
     """Ranges of the critic's, the reference's and the KL controller's keys, when read."""
     al, c = cfg.algorithm, cfg.critic
     if needs_critic(al.adv_estimator):
@@ -327,7 +330,7 @@ def _critic_and_reference_values(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _device_on_this_machine(cfg: Any, p: Problems) -> None:
+def _device_on_this_machine(cfg: JobConfig, p: Problems) -> None:
     name = cfg.resources.device
     if name not in DEVICES:
         known = ", ".join(DEVICES.names())

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.registry import (
     ADV_ESTIMATORS,
@@ -24,6 +25,9 @@ from offbeat.core.registry import (
     Registry,
 )
 
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
+
 __all__ = ["ConfigError", "Problem", "Problems", "check", "validate"]
 
 OFF_POLICY_STRATEGIES = ("drop", "wait")
@@ -31,6 +35,8 @@ TRAINER_MODES = ("sync", "separate_async")
 OLD_LOG_PROB_SOURCES = ("rollout", "trainer")
 ROLLOUT_IS_LEVELS = ("none", "token", "sequence")
 ROLLOUT_IS_MODES = ("truncate", "mask")
+# model.dtype: what the train engines compute in and export (their dtype tables' names).
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,7 @@ class Problems:
         return True
 
 
-Check = Callable[[Any, Problems], None]
+Check = Callable[["JobConfig", Problems], None]
 _CHECKS: list[Check] = []
 
 
@@ -110,8 +116,9 @@ def check(fn: Check) -> Check:
     return fn
 
 
-def validate(cfg: Any) -> None:
-    """Run every rule on `cfg` (a `JobConfig` or an OmegaConf DictConfig of one).
+def validate(cfg: JobConfig) -> None:
+    """Run every rule on `cfg` (a `JobConfig`, a recipe's subclass of it, or an OmegaConf
+    DictConfig of one: the rules only read attributes).
 
     Raises one `ConfigError` listing every problem; returns None when all rules pass.
     """
@@ -127,7 +134,7 @@ def validate(cfg: Any) -> None:
 
 
 @check
-def _resources(cfg: Any, p: Problems) -> None:
+def _resources(cfg: JobConfig, p: Problems) -> None:
     r, tp = cfg.resources, cfg.rollout.tensor_parallel_size
     # resources.device (registered, its plugin loads, present here): see support.py.
     ok = [
@@ -159,7 +166,7 @@ def _resources(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _batch_sizes(cfg: Any, p: Problems) -> None:
+def _batch_sizes(cfg: JobConfig, p: Problems) -> None:
     tb, a, pss = cfg.data.train_batch_size, cfg.actor, cfg.async_training.parameter_sync_step
     ok = [
         p.require_int("data.train_batch_size", tb),
@@ -192,17 +199,35 @@ def _batch_sizes(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _async(cfg: Any, p: Problems) -> None:
+def _async(cfg: JobConfig, p: Problems) -> None:
     s = cfg.async_training
     p.require_int("async_training.max_off_policy_threshold", s.max_off_policy_threshold)
     p.require_choice(
         "async_training.max_off_policy_strategy", s.max_off_policy_strategy, OFF_POLICY_STRATEGIES
     )
-    p.require_int("async_training.num_warmup_batches", s.num_warmup_batches, minimum=0)
+    warmup_ok = p.require_int(
+        "async_training.num_warmup_batches", s.num_warmup_batches, minimum=0
+    )
+    threshold = s.max_off_policy_threshold
+    if (
+        warmup_ok
+        and cfg.trainer.mode == "separate_async"
+        and s.max_off_policy_strategy == "drop"
+        and type(threshold) is int  # a bad threshold is reported on its own
+        and threshold > 0
+        and s.num_warmup_batches + 1 > threshold
+    ):
+        from offbeat.core.buffer import drop_depth_message
+
+        p.add(
+            "async_training.num_warmup_batches",
+            s.num_warmup_batches,
+            drop_depth_message(s.num_warmup_batches, threshold),
+        )
 
 
 @check
-def _registry_names(cfg: Any, p: Problems) -> None:
+def _registry_names(cfg: JobConfig, p: Problems) -> None:
     al = cfg.algorithm
     p.require_registered("actor.engine", cfg.actor.engine, TRAIN_ENGINES)
     if p.require_registered("rollout.engine", cfg.rollout.engine, ROLLOUT_ENGINES):
@@ -220,7 +245,7 @@ def _registry_names(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _algorithm(cfg: Any, p: Problems) -> None:
+def _algorithm(cfg: JobConfig, p: Problems) -> None:
     al, a = cfg.algorithm, cfg.actor
     p.require_choice("algorithm.old_log_prob_source", al.old_log_prob_source, OLD_LOG_PROB_SOURCES)
     level_ok = p.require_choice(
@@ -241,22 +266,43 @@ def _algorithm(cfg: Any, p: Problems) -> None:
     p.require_number("algorithm.gamma", al.gamma, low=0.0, high=1.0)
     p.require_number("algorithm.lam", al.lam, low=0.0, high=1.0)
     p.require_number("algorithm.kl_loss_coef", al.kl_loss_coef, low=0.0)
-    p.require_number("algorithm.kl_clamp", al.kl_clamp, low=0.0)
     p.require_number("algorithm.entropy_coeff", al.entropy_coeff)
-    p.require_number("actor.clip_ratio_low", a.clip_ratio_low, low=0.0, high=1.0)
+    low = a.clip_ratio_low
+    if p.require_number("actor.clip_ratio_low", low, low=0.0, high=1.0) and low == 1.0:
+        p.add("actor.clip_ratio_low", low, "must be < 1 (the ratio's lower bound is 1 - it)")
     p.require_number("actor.clip_ratio_high", a.clip_ratio_high, low=0.0)
     p.require_number("actor.clip_ratio_c", a.clip_ratio_c)
-    p.require_number("actor.lr", a.lr, low=0.0)
-    p.require_int("actor.lr_warmup_steps", a.lr_warmup_steps, minimum=0)
+    if p.require_number("actor.lr", a.lr, low=0.0) and not a.lr > 0:
+        p.add("actor.lr", a.lr, "must be > 0")
+    p.require_number("actor.weight_decay", a.weight_decay, low=0.0)
+    warmup_ok = p.require_int("actor.lr_warmup_steps", a.lr_warmup_steps, minimum=0)
     from offbeat.core.train.optim import LR_SCHEDULES
 
-    p.require_choice("actor.lr_schedule", a.lr_schedule, LR_SCHEDULES)
+    if p.require_choice("actor.lr_schedule", a.lr_schedule, LR_SCHEDULES) and warmup_ok:
+        _cosine_has_a_horizon(cfg, p)
     p.require_number("actor.min_lr_ratio", a.min_lr_ratio, low=0.0, high=1.0)
-    p.require_number("critic.cliprange_value", cfg.critic.cliprange_value, low=0.0)
+
+
+def _cosine_has_a_horizon(cfg: JobConfig, p: Problems) -> None:
+    """The cosine schedule decays after the warm-up, until the last of the run's
+    total_training_steps × parameter_sync_step × ppo_epochs mini-batch updates."""
+    a, t = cfg.actor, cfg.trainer
+    counts = (t.total_training_steps, cfg.async_training.parameter_sync_step, a.ppo_epochs)
+    if a.lr_schedule != "cosine" or not all(type(n) is int and n > 0 for n in counts):
+        return  # a bad count is reported on its own
+    updates = counts[0] * counts[1] * counts[2]
+    if updates <= a.lr_warmup_steps:
+        p.add(
+            "actor.lr_warmup_steps",
+            a.lr_warmup_steps,
+            f"must be < the run's {updates} updates (trainer.total_training_steps × "
+            "async_training.parameter_sync_step × actor.ppo_epochs) with "
+            "actor.lr_schedule=cosine, which decays after the warm-up",
+        )
 
 
 @check
-def _rollout(cfg: Any, p: Problems) -> None:
+def _rollout(cfg: JobConfig, p: Problems) -> None:
     ro = cfg.rollout
     p.require_int("rollout.n", ro.n)
     p.require_int("rollout.max_tokens", ro.max_tokens)
@@ -273,7 +319,7 @@ PD_CONNECTORS = ("shared_storage",)
 
 
 @check
-def _rollout_pd(cfg: Any, p: Problems) -> None:
+def _rollout_pd(cfg: JobConfig, p: Problems) -> None:
     pd = getattr(cfg.rollout, "pd", None)
     if pd is None:
         return
@@ -325,9 +371,8 @@ def _rollout_pd(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _model_and_trainer(cfg: Any, p: Problems) -> None:
-    if not isinstance(cfg.model.path, str) or not cfg.model.path.strip():
-        p.add("model.path", cfg.model.path, "must name a model (a HF model directory)")
+def _model_and_trainer(cfg: JobConfig, p: Problems) -> None:
+    _model(cfg, p)
     t = cfg.trainer
     p.require_choice("trainer.mode", t.mode, TRAINER_MODES)
     p.require_int("trainer.total_training_steps", t.total_training_steps)
@@ -339,8 +384,31 @@ def _model_and_trainer(cfg: Any, p: Problems) -> None:
         p.add("trainer.checkpoint_dir", t.checkpoint_dir, "must be a non-empty path")
 
 
+def _model(cfg: JobConfig, p: Problems) -> None:
+    _model_path(cfg.model.path, p)
+    p.require_choice("model.dtype", cfg.model.dtype, MODEL_DTYPES)
+
+
+def _model_path(path: Any, p: Problems) -> None:
+    """model.path names a model: offbeat's tiny preset (`offbeat-tiny:<size>`), an existing
+    HF model directory when given as a path, or a name the model builder resolves."""
+    from offbeat.core.models.tiny import TINY_PREFIX
+
+    if not isinstance(path, str) or not path.strip():
+        p.add("model.path", path, "must name a model (a HF model directory)")
+    elif path.startswith(TINY_PREFIX):
+        from offbeat.core.models import TINY_MODEL_PRESETS
+
+        if path[len(TINY_PREFIX) :] not in TINY_MODEL_PRESETS:
+            p.add(
+                "model.path", path, f"{TINY_PREFIX}<size> with size in {sorted(TINY_MODEL_PRESETS)}"
+            )
+    elif path.startswith(("/", "./", "../")) and not Path(path).is_dir():
+        p.add("model.path", path, "an existing HF model directory")
+
+
 @check
-def _max_restarts(cfg: Any, p: Problems) -> None:
+def _max_restarts(cfg: JobConfig, p: Problems) -> None:
     t = cfg.trainer
     n = getattr(t, "max_restarts", None)
     if n is None:
@@ -364,7 +432,7 @@ def _max_restarts(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _verbose(cfg: Any, p: Problems) -> None:
+def _verbose(cfg: JobConfig, p: Problems) -> None:
     if not isinstance(cfg.trainer.verbose, bool):
         p.add(
             "trainer.verbose",
@@ -375,7 +443,7 @@ def _verbose(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _logprob_drift_warn(cfg: Any, p: Problems) -> None:
+def _logprob_drift_warn(cfg: JobConfig, p: Problems) -> None:
     value = cfg.trainer.logprob_drift_warn
     ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
     if value is not None and not ok:
@@ -388,7 +456,7 @@ def _logprob_drift_warn(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _stall_timeout(cfg: Any, p: Problems) -> None:
+def _stall_timeout(cfg: JobConfig, p: Problems) -> None:
     value = cfg.trainer.stall_timeout_s
     ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
     if value is not None and not ok:
@@ -427,7 +495,7 @@ def _stall_timeout(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _trace(cfg: Any, p: Problems) -> None:
+def _trace(cfg: JobConfig, p: Problems) -> None:
     t = cfg.trainer
     if not isinstance(t.trace, bool):
         p.add("trainer.trace", t.trace, "must be true (trace every step) or false")

@@ -15,9 +15,12 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import ModelConfig
 
 __all__ = [
     "MULTI_MODAL_DATA",
@@ -26,6 +29,7 @@ __all__ = [
     "encode_vision_text",
     "has_vision",
     "load_processor",
+    "load_tokenizer",
     "png_bytes",
     "vision_model_kwargs",
 ]
@@ -80,6 +84,21 @@ def load_processor(model_dir: Any, trust_remote_code: bool = False) -> Any | Non
 
     processor = AutoProcessor.from_pretrained(str(d), trust_remote_code=trust_remote_code)
     return processor if has_vision(processor) else None
+
+
+def load_tokenizer(model_dir: Any, model: ModelConfig) -> tuple[Any, Any | None]:
+    """(tokenizer, processor) of the prepared model in `model_dir`: a vision-language
+    model's processor renders and tokenises rows with images (None for a text model), and
+    its tokenizer is the run's unless `model.tokenizer_path` names one."""
+    processor = load_processor(model_dir, model.trust_remote_code)
+    if processor is not None and not model.tokenizer_path:
+        return processor.tokenizer, processor
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model.tokenizer_path or str(model_dir), trust_remote_code=model.trust_remote_code
+    )
+    return tokenizer, processor
 
 
 def encode_vision_prompt(

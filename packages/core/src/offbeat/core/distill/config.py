@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.distill.advantages import ADVANTAGES, LOSSES
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.tasks.visual import MIXABLE_TASKS
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import DataConfig, JobConfig
 
 __all__ = ["DistillationConfig", "TeacherConfig", "TeacherSFTConfig", "route_keys"]
 
@@ -81,11 +84,11 @@ class DistillationConfig:
     tasks: list[SyntheticTaskConfig] = field(default_factory=list)
 
 
-def route_keys(cfg: Any) -> set[str] | None:
-    """The values of `teacher_key` in the job's training data: the synthetic tasks' data
-    sources, or the parquet column; None when they cannot be read."""
-    d = cfg.distillation
-    if not cfg.data.train_files:
+def route_keys(data: DataConfig, d: DistillationConfig) -> set[str] | None:
+    """The values of `d.teacher_key` in the job's training data: the synthetic tasks' data
+    sources (`d.tasks`), or the parquet column of `data.train_files`; None when they
+    cannot be read."""
+    if not data.train_files:
         if d.teacher_key != "data_source" or not d.tasks:
             return None
         from offbeat.core.tasks.visual import task_rows
@@ -98,7 +101,7 @@ def route_keys(cfg: Any) -> set[str] | None:
     import pyarrow.parquet as pq
 
     keys: set[str] = set()
-    for f in cfg.data.train_files:
+    for f in data.train_files:
         if not Path(f).is_file():
             return None
         table = pq.read_table(f)
@@ -133,7 +136,7 @@ def _built(path: str) -> bool:
 
 
 @check
-def _distillation_rules(cfg: Any, p: Problems) -> None:
+def _distillation_rules(cfg: JobConfig, p: Problems) -> None:
     d = getattr(cfg, "distillation", None)
     if d is None:
         return
@@ -189,7 +192,7 @@ def _distillation_rules(cfg: Any, p: Problems) -> None:
         p.add("distillation.kl_coef/reward_weight", (d.kl_coef, d.reward_weight), "numbers >= 0")
     for i, t in enumerate(d.tasks):
         p.require_choice(f"distillation.tasks[{i}].name", t.name, MIXABLE_TASKS)
-    keys = route_keys(cfg)
+    keys = route_keys(cfg.data, d)
     if keys is not None and not d.default_teacher:
         orphan = sorted(keys - set(d.teachers))
         if orphan:

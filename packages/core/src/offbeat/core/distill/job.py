@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offbeat.core.config.schema import AlgorithmConfig
 from offbeat.core.distill import config as _distill_checks  # noqa: F401  (registers its rules)
 from offbeat.core.distill.advantages import (
     TEACHER_ID,
@@ -136,7 +137,7 @@ def teacher_replacements(
         job = teacher_job(cfg, d, name)
         placed = pools is not None and teacher_pool(name) in pools.groups
 
-        def spec(i: int, new_id: str, job: Any = job, name: str = name, placed=placed) -> Any:
+        def spec(i: int, new_id: str, job: RunConfig = job, name: str = name, placed=placed) -> Any:
             opts = {"scheduling_strategy": pools.strategy(teacher_pool(name), i)} if placed else {}
             return ReplicaSpec(job, str(model_dirs[name]), i, server_id=new_id, ray_options=opts)
 
@@ -145,7 +146,9 @@ def teacher_replacements(
     return out
 
 
-def make_batch_hook(d: DistillationConfig, router: TeacherRouter, pool: TeacherPool, s: Any):
+def make_batch_hook(
+    d: DistillationConfig, router: TeacherRouter, pool: TeacherPool, algorithm: AlgorithmConfig
+):
     """The trainer's batch hook: OPD advantages in place of the reward's, and per-teacher
     reverse KL, tokens, routed groups and scoring latency."""
 
@@ -157,7 +160,7 @@ def make_batch_hook(d: DistillationConfig, router: TeacherRouter, pool: TeacherP
             data["rollout_log_probs"], teacher_lp, data["response_mask"],
             kl_coef=0.0 if topk else d.kl_coef,  # top-k: the engine's loss term carries it
             rewards=batch.rewards, group_uids=batch.group_uids, reward_weight=d.reward_weight,
-            norm_by_std=s.norm_adv_by_std_in_grpo, mode=d.advantage,
+            norm_by_std=algorithm.norm_adv_by_std_in_grpo, mode=d.advantage,
         )  # fmt: skip
         if topk:  # [B, R, k]: the train engine's forward-KL term reads them
             data[TOPK_IDS] = batch.extras[TEACHER_TOP_IDS].round().long()
@@ -232,8 +235,6 @@ class OPDExtension(JobExtension):
         return {k: v for servers in self.teachers.values() for k, v in servers.items()}
 
     async def setup(self, prepared: Any, pools: Any) -> None:
-        from offbeat.core.trainer.trainer import TrainerSettings
-
         cfg = prepared.cfg
         d = self.d = cfg.distillation
         self.val_files = list(prepared.val_files)
@@ -244,7 +245,7 @@ class OPDExtension(JobExtension):
             self.teachers, max_retries=d.max_retries, timeout_s=d.timeout_s,
             replacements=teacher_replacements(cfg, d, self.teacher_dirs, pools),
         )  # fmt: skip
-        self._batch_hook = make_batch_hook(d, self.router, self.pool, TrainerSettings.from_job(cfg))
+        self._batch_hook = make_batch_hook(d, self.router, self.pool, cfg.algorithm)
 
     def wrap_agent(self, agent: Any) -> Any:
         from offbeat.core.distill.agent_loop import DistillAgentLoop

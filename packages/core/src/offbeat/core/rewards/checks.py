@@ -11,16 +11,19 @@ missing dataset file is reported by the job's own rule, not here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import REWARD_FUNCTIONS
 from offbeat.core.rewards.registry import BY_DATA_SOURCE, load_reward_fn
 
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
+
 _FUNCTION_FORM = "'pkg.module:function' or 'path/to/file.py:function'"
 
 
-def _user_functions(cfg: Any, p: Problems) -> dict[str, bool]:
+def _user_functions(cfg: JobConfig, p: Problems) -> dict[str, bool]:
     """data_source -> whether its `reward.functions` entry imported (problems reported)."""
     out: dict[str, bool] = {}
     for source, path in dict(cfg.reward.functions or {}).items():
@@ -38,7 +41,7 @@ def _user_functions(cfg: Any, p: Problems) -> dict[str, bool]:
     return out
 
 
-def _file_problem(cfg: Any, path: str, known: set[str]) -> str | None:
+def _file_problem(cfg: JobConfig, path: str, known: set[str]) -> str | None:
     """What is wrong with one dataset file for this config, or None."""
     from offbeat.core.tasks.bad_rows import DatasetFileError, open_parquet
     from offbeat.core.tasks.rows import data_source_counts, parquet_columns
@@ -75,7 +78,7 @@ def _file_problem(cfg: Any, path: str, known: set[str]) -> str | None:
 
 
 @check
-def _rewards(cfg: Any, p: Problems) -> None:
+def _rewards(cfg: JobConfig, p: Problems) -> None:
     r = cfg.reward
     t = getattr(r, "timeout_s", None)
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < float("inf"):

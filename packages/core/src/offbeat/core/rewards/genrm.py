@@ -15,11 +15,14 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.registry import REWARD_FUNCTIONS
 from offbeat.core.rewards.registry import RewardError, call_reward_fn, register_reward
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 Post = Callable[[str, dict, float], Awaitable[dict]]
 
@@ -108,7 +111,7 @@ def validate_genrm(raw: Mapping[str, Any], p: Problems, prefix: str = "reward.ge
 
 
 @check
-def _check_genrm(cfg: Any, p: Problems) -> None:
+def _check_genrm(cfg: JobConfig, p: Problems) -> None:
     """`reward.genrm` keys; with `reward.name=genrm` a judge endpoint must be set or started."""
     raw = dict(getattr(cfg.reward, "genrm", None) or {})
     validate_genrm(raw, p)

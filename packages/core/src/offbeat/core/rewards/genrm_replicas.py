@@ -18,12 +18,16 @@ import dataclasses
 import itertools
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.rewards.genrm import GenRMConfig
 
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
+    from offbeat.core.config.schema import JobConfig
 
-def judge_job(cfg: Any) -> Any:
+
+def judge_job(cfg: RunConfig) -> RunConfig:
     """The job config a rollout-engine factory starts judge replicas from: the judge's
     model (no policy overrides), `reward.genrm.engine_kwargs` over the rollout's,
     `replicas` x `tensor_parallel_size` devices, `judge_cpus` (default: the rollout's
@@ -51,7 +55,7 @@ def judge_job(cfg: Any) -> Any:
     )
 
 
-def resolve_judge_model(cfg: Any, cache_dir: str | Path) -> Any:
+def resolve_judge_model(cfg: RunConfig, cache_dir: str | Path) -> RunConfig:
     """`cfg` with `reward.genrm.model_path` a local directory (`offbeat-tiny:<size>` is built,
     untrained, under `cache_dir`); unchanged when it names none. Blocking: file I/O."""
     raw = dict(cfg.reward.genrm or {})
@@ -64,7 +68,7 @@ def resolve_judge_model(cfg: Any, cache_dir: str | Path) -> Any:
     return dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, genrm=raw))
 
 
-def judge_pools(cfg: Any) -> list[Any]:
+def judge_pools(cfg: RunConfig) -> list[Any]:
     """The named resource pool the judge replicas go into (`start_pools(cfg, extra=...)`):
     "judge", one bundle per replica shaped as a rollout replica's of `judge_job` (its
     devices, `judge_num_cpus` CPUs); [] when no judge replica is asked for."""
@@ -84,7 +88,7 @@ def _judge_options(pools: Any, i: int) -> dict[str, Any]:
     return {}
 
 
-def start_judges(cfg: Any, pools: Any = None) -> dict[str, Any]:
+def start_judges(cfg: RunConfig, pools: Any = None) -> dict[str, Any]:
     """Start the `reward.genrm.replicas` judge replicas of `reward.genrm.model_path` (a
     directory: `resolve_judge_model` first) from the `rollout.engine` factory, not awaited,
     each in its bundle of `pools`' "judge" pool when there is one (`judge_pools`); {} when
@@ -104,7 +108,7 @@ def start_judges(cfg: Any, pools: Any = None) -> dict[str, Any]:
     }
 
 
-def judge_replacement(cfg: Any, pools: Any = None) -> Any:
+def judge_replacement(cfg: RunConfig, pools: Any = None) -> Any:
     """How a dead judge replica `judge-<i>` is replaced: one started as `start_judges`
     starts it, in its bundle (`offbeat.core.trainer.elastic.bundle_replacement`); None
     when `runtime.replica_replace_attempts` is 0 or no judge replica is asked for."""
@@ -192,7 +196,7 @@ class BalancedJudgeTransport:
         await self.replicas.close()
 
 
-def judge_tokenizer(cfg: Any) -> Any:
+def judge_tokenizer(cfg: JobConfig) -> Any:
     """The judge's tokenizer (its chat template renders the prompt), or None without a
     resolved `reward.genrm.model_path`. Blocking: call it off the event loop."""
     path = str(dict(cfg.reward.genrm or {}).get("model_path") or "")
@@ -203,7 +207,7 @@ def judge_tokenizer(cfg: Any) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def setup_judge(cfg: Any, servers: Mapping[str, Any] | None = None, *, post: Any = None,
+def setup_judge(cfg: JobConfig, servers: Mapping[str, Any] | None = None, *, post: Any = None,
                 tokenizer: Any = None, replacement: Any = None) -> Any:  # fmt: skip
     """On the job's event loop (`start_judge`, from `GenRMExtension.setup`): build the
     `GenRMJudge` that `reward.genrm` describes (over `servers` from `start_judges`, dead
@@ -265,7 +269,7 @@ class GenRMStepHook:
                 "served_by_replica": dict(getattr(self.judge._post, "served", {}))}  # fmt: skip
 
 
-async def start_judge(cfg: Any, judges: dict[str, Any], pools: Any = None) -> Any:
+async def start_judge(cfg: RunConfig, judges: dict[str, Any], pools: Any = None) -> Any:
     """For `reward.name=genrm`: the judge over `judges` (else `reward.genrm.url`), installed
     for the `genrm` scorer, as the trainer step hook that logs its metrics; else None. A
     dead judge replica is replaced in its bundle of `pools` (`judge_replacement`)."""
@@ -277,7 +281,7 @@ async def start_judge(cfg: Any, judges: dict[str, Any], pools: Any = None) -> An
     return GenRMStepHook(setup_judge(cfg, judges, tokenizer=tokenizer, replacement=replacement))
 
 
-def validation_agent(cfg: Any, agent: Any) -> Any:
+def validation_agent(cfg: JobConfig, agent: Any) -> Any:
     """The agent validation samples with: `agent` itself, or with `reward.genrm.val_reward
     = task` one that scores each row by its data_source's rule (not the judge): a router
     (`build_agent`) over copies of its loops, or a copy of a single loop."""

@@ -70,8 +70,6 @@ class Recorder:
     ) -> None:
         from offbeat.core import __version__
 
-        if every < 1:
-            raise ValueError(f"rollout.record.every={every}: must be >= 1")
         self.dir = Path(directory)
         self.steps = frozenset(steps)
         self.every = every

@@ -16,22 +16,25 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
 from offbeat.core.rollout.recording import (
     MANIFEST,
+    REPLAY_MODES,
     RecordingError,
     read_manifest,
     tokenizer_digest,
     verify_files,
 )
 
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
+
 __all__: list[str] = []
 
 log = logging.getLogger(__name__)
 
-_MODES = ("cache", "repeat")
 
 
 def _is_int(value: Any) -> bool:
@@ -43,7 +46,7 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 @check
-def _record(cfg: Any, p: Problems) -> None:
+def _record(cfg: JobConfig, p: Problems) -> None:
     rec = getattr(cfg.rollout, "record", None)
     if rec is None:
         return
@@ -94,11 +97,11 @@ def _record(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _replay(cfg: Any, p: Problems) -> None:
+def _replay(cfg: JobConfig, p: Problems) -> None:
     rp = getattr(cfg.rollout, "replay", None)
     if rp is None:
         return
-    mode_ok = p.require_choice("rollout.replay.mode", rp.mode, _MODES)
+    mode_ok = p.require_choice("rollout.replay.mode", rp.mode, REPLAY_MODES)
     if not isinstance(rp.dir, str) or not rp.dir.strip():
         if mode_ok and rp.mode != "cache":
             p.add(
@@ -137,7 +140,7 @@ def _replay(cfg: Any, p: Problems) -> None:
     _same_vocabulary(cfg, ident, p)
 
 
-def _same_vocabulary(cfg: Any, ident: dict[str, Any], p: Problems) -> None:
+def _same_vocabulary(cfg: JobConfig, ident: dict[str, Any], p: Problems) -> None:
     """Compare the tokenizer when it loads offline (see offbeat.core.tasks.checks)."""
     from offbeat.core.tasks.checks import _load_tokenizer
 

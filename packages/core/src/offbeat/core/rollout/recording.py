@@ -20,14 +20,18 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.data import TrajectoryBatch
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST",
+    "REPLAY_MODES",
     "CorruptRecording",
     "RecordingError",
     "RecordingMismatch",
@@ -46,6 +50,9 @@ __all__ = [
     "verify_files",
     "write_atomic",
 ]
+
+# rollout.replay.mode: each recorded step once, then live generation; or cycle for good.
+REPLAY_MODES = ("cache", "repeat")
 
 FORMAT = "offbeat-rollout-recording"
 FORMAT_VERSION = 1
@@ -129,7 +136,7 @@ def identity_mismatches(recorded: dict[str, Any], current: dict[str, Any]) -> li
     ]
 
 
-def config_digest(cfg: Any) -> str:
+def config_digest(cfg: JobConfig) -> str:
     """sha256 of the job config without its record/replay sections (for the manifest)."""
     d = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
     rollout = dict(d.get("rollout", {}))

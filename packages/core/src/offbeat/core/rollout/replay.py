@@ -31,10 +31,11 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.data import Trajectory
 from offbeat.core.rollout.recording import (
+    REPLAY_MODES,
     CorruptRecording,
     RecordingError,
     RecordingMismatch,
@@ -47,6 +48,9 @@ from offbeat.core.rollout.recording import (
     run_identity,
     verify_files,
 )
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
 
 __all__ = [
     "MARKER",
@@ -62,7 +66,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-REPLAY_MODES = ("cache", "repeat")
 MARKER = "replay"  # the key of a marker row
 _CACHED_STEPS = 3  # decoded recorded steps kept in memory by a ReplayAgent
 
@@ -135,8 +138,6 @@ class ReplayLoader:
     """The dataloader, with the recording's groups first (`cache`) or only (`repeat`)."""
 
     def __init__(self, loader: Any, recording: Recording, mode: str) -> None:
-        if mode not in REPLAY_MODES:
-            raise ValueError(f"rollout.replay.mode={mode!r}: must be one of {REPLAY_MODES}")
         self.loader = loader
         self.recording = recording
         self.mode = mode
@@ -282,7 +283,7 @@ class RecordReplay:
 
 
 def attach(
-    cfg: Any,
+    cfg: RunConfig,
     *,
     model: str,
     model_dir: str | Path,

@@ -10,7 +10,10 @@ pools are reserved (`offbeat.core.runtime.launch` computes the placement options
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
 
 __all__ = ["ReplicaSpec", "start_replica"]
 
@@ -28,7 +31,7 @@ class ReplicaSpec:
     the engine's defaults. `hybrid`: it lives in a trainer rank's bundle (asleep but for
     validation)."""
 
-    job: Any
+    job: RunConfig
     model_path: str
     index: int
     server_id: str | None = None

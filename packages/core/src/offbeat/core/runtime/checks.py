@@ -1,5 +1,6 @@
-"""Validation rules for the runtime's placement keys: the trainer group and the pools
-(with a critic / reference model in a group of its own),
+"""Validation rules of the `runtime` section (`RuntimeConfig`): its own values (backend,
+counts, the cores of this machine), the trainer group and the pools (with a critic /
+reference model in a group of its own),
 hybrid replicas (`trainer.validate_on_trainer_devices`) against that resource split, and
 the replacement of dead replicas (`runtime.replica_replace_*`).
 
@@ -10,9 +11,14 @@ hold the pools is known only once Ray is up: `ResourcePools.create` says so then
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
+from offbeat.core.cpus import machine_cpus
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 
 def _positive(p: Problems, key: str, value: Any) -> None:
@@ -21,7 +27,51 @@ def _positive(p: Problems, key: str, value: Any) -> None:
 
 
 @check
-def _trainer_group_rules(cfg: Any, p: Problems) -> None:
+def _runtime_values(cfg: JobConfig, p: Problems) -> None:
+    """The runtime's own values: a checkpoint-engine backend that exists, positive counts,
+    and cores of this machine for the trainer and the rollout (disjoint)."""
+    rt = getattr(cfg, "runtime", None)
+    if rt is None:
+        return
+    from offbeat.ckpt_engine import backends
+
+    if rt.ckpt_backend not in backends():
+        p.add("runtime.ckpt_backend", rt.ckpt_backend, f"one of {sorted(backends())}")
+    p.require_int("runtime.max_concurrent_groups", rt.max_concurrent_groups)
+    usable = sorted(os.sched_getaffinity(0))
+    bad_cpus = [c for c in rt.trainer_cpus if c not in usable]
+    if bad_cpus:
+        p.add("runtime.trainer_cpus", list(rt.trainer_cpus), f"cores of this machine: {usable}")
+    p.require_int("runtime.trainer_threads", rt.trainer_threads)
+    p.require_int("runtime.max_failed_batches", rt.max_failed_batches)
+
+
+@check
+def _rollout_cpus(cfg: JobConfig, p: Problems) -> None:
+    rt = getattr(cfg, "runtime", None)
+    if rt is None or not rt.rollout_cpus:
+        return
+    usable = machine_cpus()
+    cpus = list(rt.rollout_cpus)
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in cpus):
+        p.add("runtime.rollout_cpus", cpus, f"core ids (ints) of this machine: {usable}")
+        return
+    if [c for c in cpus if c not in usable]:
+        p.add("runtime.rollout_cpus", cpus, f"cores of this machine: {usable}")
+    elif len(set(cpus)) != len(cpus):
+        p.add("runtime.rollout_cpus", cpus, "each core once")
+    shared = sorted(set(cpus) & set(rt.trainer_cpus))
+    if shared:
+        p.add(
+            "runtime.rollout_cpus",
+            cpus,
+            f"cores disjoint from runtime.trainer_cpus={list(rt.trainer_cpus)} (both name "
+            f"{shared})",
+        )
+
+
+@check
+def _trainer_group_rules(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None:
         return
@@ -66,7 +116,7 @@ def _trainer_group_rules(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _hybrid_replica_rules(cfg: Any, p: Problems) -> None:
+def _hybrid_replica_rules(cfg: JobConfig, p: Problems) -> None:
     """`trainer.validate_on_trainer_devices` against the resource split: hybrid replicas
     live in the trainer pool, one per trainer rank, beside it."""
     rt, t = getattr(cfg, "runtime", None), cfg.trainer
@@ -135,7 +185,7 @@ def _hybrid_replica_rules(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _replacement_rules(cfg: Any, p: Problems) -> None:
+def _replacement_rules(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None:
         return

@@ -32,13 +32,16 @@ import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from offbeat.core.metrics import reduction_for
 from offbeat.core.runtime.local import LocalRank
 from offbeat.core.runtime.rank import TrainerRank
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 # After one rank raised, how long to wait for a rank that died (the likelier cause).
 _GRACE_S = 3.0
@@ -169,7 +172,7 @@ class TrainerGroup:
     @classmethod
     async def start(
         cls,
-        job: Any,
+        job: JobConfig,
         world: int,
         *,
         options: list[dict[str, Any]],
@@ -196,7 +199,7 @@ class TrainerGroup:
 
     @classmethod
     async def start_local(
-        cls, job: Any, *, threads: int = 1, roles: Sequence[str] = ("actor",)
+        cls, job: JobConfig, *, threads: int = 1, roles: Sequence[str] = ("actor",)
     ) -> TrainerGroup:
         """One rank in this process (`runtime.trainer_in_driver`): no actor, no
         rendezvous, no reseeding; `job`'s engines of `roles` built on the rank's thread."""
@@ -226,7 +229,7 @@ class TrainerGroup:
 
     async def _build(
         self,
-        job: Any,
+        job: JobConfig,
         seed: int | None,
         threads: int,
         roles: Sequence[str],

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.runtime.engines import GroupCriticEngine, GroupReferenceEngine
 from offbeat.core.runtime.group import TrainerGroup
 from offbeat.core.runtime.pools import DEVICE_RESOURCES, PoolSpec, ResourcePools, pool_specs
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
+    from offbeat.core.config.schema import JobConfig, TrainerConfig
 
 __all__ = [
     "HYBRID_DEVICE_SHARE",
@@ -36,11 +40,12 @@ __all__ = [
     "replica_options",
     "start_pools",
     "start_trainer",
+    "start_trainer_side",
     "trainer_in_driver",
 ]
 
 
-def trainer_in_driver(cfg: Any) -> bool:
+def trainer_in_driver(cfg: RunConfig) -> bool:
     """`runtime.trainer_in_driver`, or when null: one trainer rank on a local one-node Ray
     runs in the driver (no actor, no pool bundle) unless hybrid replicas need the trainer
     pool or a critic / reference model runs in a worker group of its own; anything else
@@ -55,12 +60,12 @@ def trainer_in_driver(cfg: Any) -> bool:
     return r.trainer_devices == 1 and r.num_nodes == 1 and not rt.ray_address
 
 
-def hybrid_replicas(cfg: Any) -> bool:
+def hybrid_replicas(cfg: JobConfig) -> bool:
     """Whether the job runs hybrid replicas (`trainer.validate_on_trainer_devices`)."""
     return bool(getattr(getattr(cfg, "trainer", None), "validate_on_trainer_devices", False))
 
 
-def group_roles(cfg: Any) -> tuple[str, ...]:
+def group_roles(cfg: JobConfig) -> tuple[str, ...]:
     """The engines each rank of the trainer's worker group builds: the actor, plus the
     critic when the advantage estimator needs one and the reference policy when a KL term
     reads it, each when placed with the actor (`critic.placement`, `ref.placement`)."""
@@ -80,7 +85,7 @@ HYBRID_DEVICE_SHARE = 0.25
 
 
 async def start_pools(
-    cfg: Any, extra: Sequence[PoolSpec] = (), *, rollout: bool = True
+    cfg: RunConfig, extra: Sequence[PoolSpec] = (), *, rollout: bool = True
 ) -> ResourcePools:
     """Reserve the job's pools (awaited): the trainer's unless it runs in the driver, the
     rollout's unless `rollout=False`, then `extra` (a recipe's named pools), in order."""
@@ -103,7 +108,7 @@ def replica_options(pools: ResourcePools | None, index: int) -> dict[str, Any]:
     return out
 
 
-def _bundle_device(cfg: Any, pools: ResourcePools, pool: str) -> float:
+def _bundle_device(cfg: JobConfig, pools: ResourcePools, pool: str) -> float:
     """The devices one bundle of `pool` holds: 1, or a part of one GPU when shared."""
     return float(pools.specs[pool].bundle.get(DEVICE_RESOURCES.get(cfg.resources.device, ""), 1))
 
@@ -116,7 +121,7 @@ def _device_ask(device: str, share: float) -> dict[str, Any]:
     return {}
 
 
-def _rank_options(cfg: Any, pools: ResourcePools, pool: str = "trainer") -> list[dict]:
+def _rank_options(cfg: RunConfig, pools: ResourcePools, pool: str = "trainer") -> list[dict]:
     rt, device = cfg.runtime, cfg.resources.device
     order = pools.bundle_order(pool)
     share = 1.0 - HYBRID_DEVICE_SHARE if pool == "trainer" and hybrid_replicas(cfg) else 1
@@ -131,7 +136,7 @@ def _rank_options(cfg: Any, pools: ResourcePools, pool: str = "trainer") -> list
     ]
 
 
-def hybrid_options(cfg: Any, pools: ResourcePools, rank: int) -> dict[str, Any]:
+def hybrid_options(cfg: RunConfig, pools: ResourcePools, rank: int) -> dict[str, Any]:
     """Ray options that put trainer rank `rank`'s hybrid replica into the rank's bundle:
     `runtime.rollout_num_cpus` CPUs and `HYBRID_DEVICE_SHARE` of its device."""
     order = pools.bundle_order("trainer")
@@ -159,7 +164,7 @@ class TrainerSide:
         """What the training loop drives: the group."""
         return self.group
 
-    def hybrid_manager(self, cfg: Any) -> Any:
+    def hybrid_manager(self, cfg: RunConfig) -> Any:
         """A checkpoint engine of its own for the hybrid replicas: a host-side backend
         (`shm`) opened on rank 0 beside the rollout replicas' one."""
         from offbeat.core.runtime.weight_sync import GroupCheckpointEngine
@@ -184,15 +189,15 @@ class TrainerSide:
         self.group.shutdown()
 
 
-def call_timeout_s(cfg: Any) -> float | None:
+def call_timeout_s(trainer: TrainerConfig) -> float | None:
     """A trainer group's call timeout: twice `trainer.stall_timeout_s` (None when off).
     Inside the training loop the stall watchdog names a call that hangs first; outside
     it (a resume's load, the last checkpoint) this bounds every call."""
-    stall = cfg.trainer.stall_timeout_s
+    stall = trainer.stall_timeout_s
     return 2.0 * stall if stall else None
 
 
-async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
+async def start_trainer(cfg: RunConfig, pools: ResourcePools | None) -> TrainerSide:
     """The trainer of `cfg` (a prepared RunConfig) and its checkpoint engine; the group's
     ranks go into `pools`' trainer pool, which must exist unless the trainer runs in the
     driver (then its one rank runs in this process)."""
@@ -202,7 +207,7 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
     rt = cfg.runtime
     roles = group_roles(cfg)
     group = await _start_actor_group(cfg, pools, roles)
-    group.call_timeout_s = call_timeout_s(cfg)
+    group.call_timeout_s = call_timeout_s(cfg.trainer)
     separate: dict[str, TrainerGroup] = {}
     try:
         manager = GroupCheckpointEngine(
@@ -223,8 +228,26 @@ async def start_trainer(cfg: Any, pools: ResourcePools | None) -> TrainerSide:
     return TrainerSide(group, manager, critic, reference, separate=separate)
 
 
+async def start_trainer_side(
+    cfg: RunConfig, pools: ResourcePools | None
+) -> tuple[TrainerSide, ResourcePools | None, ResourcePools | None]:
+    """`start_trainer` for a run whose pools may lack a trainer pool (the replicas were
+    started first): a worker group that needs one gets a trainer pool of its own, reserved
+    here. Returns (side, the pools the trainer is in, the pool reserved here or None: the
+    caller removes it after `side.close()`)."""
+    own = None
+    if not trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
+        pools = own = await start_pools(cfg, rollout=False)
+    try:  # the train engine builds while the replicas start
+        return await start_trainer(cfg, pools), pools, own
+    except BaseException:
+        if own is not None:
+            own.remove()
+        raise
+
+
 async def _start_actor_group(
-    cfg: Any, pools: ResourcePools | None, roles: tuple[str, ...]
+    cfg: RunConfig, pools: ResourcePools | None, roles: tuple[str, ...]
 ) -> TrainerGroup:
     """The actor's group: one rank here with the trainer in the driver (this process is
     already pinned and threaded: `pin_trainer`), else rank actors on the trainer pool."""
@@ -243,7 +266,7 @@ async def _start_actor_group(
     )  # fmt: skip
 
 
-async def _start_separate(cfg: Any, pools: ResourcePools, role: str) -> TrainerGroup:
+async def _start_separate(cfg: RunConfig, pools: ResourcePools, role: str) -> TrainerGroup:
     """The worker group of `role` alone ("critic", "reference") on its pool. Its ranks
     share `runtime.trainer_cpus` with the actor's (they run at other moments of a step:
     values and ref log-probs before the actor's updates, the critic's after them)."""
@@ -259,5 +282,5 @@ async def _start_separate(cfg: Any, pools: ResourcePools, role: str) -> TrainerG
         cfg, n, options=_rank_options(cfg, pools, role), cpus=cpus, seed=cfg.trainer.seed,
         threads=rt.trainer_threads, roles=(role,),
     )  # fmt: skip
-    group.call_timeout_s = call_timeout_s(cfg)
+    group.call_timeout_s = call_timeout_s(cfg.trainer)
     return group

@@ -18,7 +18,10 @@ import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
 
 __all__ = [
     "DEVICE_RESOURCES",
@@ -71,7 +74,7 @@ def _bundle(device: str, devices: float, cpus: float, extra: Mapping[str, float]
     return {k: v for k, v in out.items() if v}
 
 
-def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
+def pool_specs(cfg: RunConfig, *, trainer: bool = True) -> list[PoolSpec]:
     """The trainer and rollout pools of a RunConfig: `resources.trainer_devices` bundles
     of one device + `runtime.trainer_num_cpus` CPUs (+ `runtime.rollout_num_cpus` for the
     rank's hybrid replica with `trainer.validate_on_trainer_devices`), and one bundle per rollout replica
@@ -94,7 +97,7 @@ def pool_specs(cfg: Any, *, trainer: bool = True) -> list[PoolSpec]:
         out.append(PoolSpec("trainer", r.trainer_devices, shape))
     from offbeat.core.config.support import replica_devices, separate_groups
 
-    per_replica = replica_devices(cfg)  # tp, or a prefill-decode replica's engines x tp
+    per_replica = replica_devices(cfg.rollout)  # tp, or a prefill-decode replica's engines x tp
     shape = _bundle(r.device, per_replica * device, rt.rollout_num_cpus, rt.rollout_resources)
     out.append(PoolSpec("rollout", r.rollout_devices // per_replica, shape))
 

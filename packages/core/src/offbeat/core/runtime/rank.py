@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["ROLES", "TrainerRank"]
 
@@ -62,7 +65,7 @@ class TrainerRank:
 
     def build(
         self,
-        job: Any,
+        job: JobConfig,
         master: tuple[str, int] | None,
         seed: int | None,
         threads: int,

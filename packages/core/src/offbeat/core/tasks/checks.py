@@ -22,9 +22,12 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["CHECK_ROWS", "SAMPLE_ROWS", "prompt_lengths"]
 
@@ -40,7 +43,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _load_tokenizer(cfg: Any) -> Any | None:
+def _load_tokenizer(cfg: JobConfig) -> Any | None:
     """The job's tokenizer when it loads offline without building a model; else None."""
     from transformers import AutoTokenizer
 
@@ -64,7 +67,7 @@ def _load_tokenizer(cfg: Any) -> Any | None:
     return AutoTokenizer.from_pretrained(str(d), trust_remote_code=m.trust_remote_code)
 
 
-def _load_processor(cfg: Any) -> Any | None:
+def _load_processor(cfg: JobConfig) -> Any | None:
     """The model's image processor (AutoProcessor) when it loads offline without building
     a model: `offbeat-tiny-vl`'s, or a local `model.path` with processor files; else None."""
     from offbeat.core.data.vision import load_processor
@@ -114,7 +117,7 @@ def prompt_lengths(
     return out
 
 
-def _needs_ground_truth(cfg: Any) -> bool:
+def _needs_ground_truth(cfg: JobConfig) -> bool:
     """False when one scorer scores every row and takes the ground truth as an optional
     reference (the genrm judge)."""
     from offbeat.core.registry import REWARD_FUNCTIONS
@@ -126,7 +129,15 @@ def _needs_ground_truth(cfg: Any) -> bool:
 
 
 @check
-def _dataset_rows_can_be_prompts(cfg: Any, p: Problems) -> None:
+def _dataset_files_exist(cfg: JobConfig, p: Problems) -> None:
+    for key in ("train_files", "val_files"):
+        for f in getattr(cfg.data, key):
+            if not Path(f).is_file():
+                p.add(f"data.{key}", f, "existing parquet files")
+
+
+@check
+def _dataset_rows_can_be_prompts(cfg: JobConfig, p: Problems) -> None:
     from offbeat.core.tasks.bad_rows import DatasetFileError, scan_file
     from offbeat.core.tasks.rows import parquet_columns
 
@@ -161,7 +172,7 @@ def _dataset_rows_can_be_prompts(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _prompts_fit_max_prompt_length(cfg: Any, p: Problems) -> None:
+def _prompts_fit_max_prompt_length(cfg: JobConfig, p: Problems) -> None:
     limit = cfg.data.max_prompt_length
     files = [
         (key, f)
@@ -203,7 +214,7 @@ def _prompts_fit_max_prompt_length(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _prompt_and_response_fit_the_engine(cfg: Any, p: Problems) -> None:
+def _prompt_and_response_fit_the_engine(cfg: JobConfig, p: Problems) -> None:
     max_len = (cfg.rollout.engine_kwargs or {}).get("max_model_len")
     prompt, response = cfg.data.max_prompt_length, cfg.rollout.max_tokens
     if not all(_is_int(v) for v in (max_len, prompt, response)):

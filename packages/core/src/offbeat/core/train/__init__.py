@@ -11,10 +11,12 @@ from offbeat.core.train.engine import (
     build_critic_engine,
     build_reference_engine,
     build_train_engine,
+    log_prob_temperature,
     register_train_engine,
+    updates_per_run,
 )
-from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine, hf_name
-from offbeat.core.train.loss import PPOLoss, PPOLossConfig
+from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine, actor_engine_config, hf_name
+from offbeat.core.train.loss import PPOLoss, PPOLossConfig, ppo_loss_config
 
 # critic imports fsdp2: keep it after it.
 from offbeat.core.train.critic import (  # isort: skip
@@ -22,10 +24,13 @@ from offbeat.core.train.critic import (  # isort: skip
     ValueLoss,
     ValueLossConfig,
     build_value_model,
+    critic_engine_config,
+    value_loss_config,
 )
 from offbeat.core.train.optim import (
     LR_SCHEDULES,
     OptimConfig,
+    actor_optim,
     build_lr_scheduler,
     build_optimizer,
     lr_factor,
@@ -44,6 +49,8 @@ __all__ = [  # contract + registry, the FSDP2 engine, its loss, optimizer and LR
     "TrainEngine",
     "ValueLoss",
     "ValueLossConfig",
+    "actor_engine_config",
+    "actor_optim",
     "batch_field",
     "build_actor_engine",
     "build_critic_engine",
@@ -52,8 +59,13 @@ __all__ = [  # contract + registry, the FSDP2 engine, its loss, optimizer and LR
     "build_reference_engine",
     "build_train_engine",
     "build_value_model",
+    "critic_engine_config",
     "hf_name",
+    "log_prob_temperature",
     "lr_factor",
     "make_train_engine_actor",
+    "ppo_loss_config",
     "register_train_engine",
+    "updates_per_run",
+    "value_loss_config",
 ]

@@ -13,16 +13,24 @@ configured from `critic.*`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from offbeat.core.algorithms import LossNormalizer, masked_mean, value_loss, zero_masked
 from offbeat.core.train import _sharding
-from offbeat.core.train.engine import LossFn, batch_field, register_critic_engine
+from offbeat.core.train.engine import (
+    LossFn,
+    batch_field,
+    register_critic_engine,
+    updates_per_run,
+)
 from offbeat.core.train.fsdp2 import FSDP2Config, FSDP2TrainEngine
 from offbeat.core.train.optim import OptimConfig
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = [
     "FSDP2CriticEngine",
@@ -30,6 +38,7 @@ __all__ = [
     "ValueLossConfig",
     "build_value_model",
     "critic_engine_config",
+    "value_loss_config",
 ]
 
 
@@ -38,14 +47,6 @@ class ValueLossConfig:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     horizon: float | None = None  # as PPOLossConfig.horizon (seq-mean-token-sum-norm)
-
-    @classmethod
-    def from_job_config(cls, job: Any) -> ValueLossConfig:
-        return cls(
-            cliprange_value=job.critic.cliprange_value,
-            loss_agg_mode=job.algorithm.loss_agg_mode,
-            horizon=float(job.rollout.max_tokens),
-        )
 
 
 class ValueLoss:
@@ -100,9 +101,19 @@ def build_value_model(
     return model
 
 
-def critic_engine_config(job: Any) -> FSDP2Config:
+def value_loss_config(job: JobConfig) -> ValueLossConfig:
+    """The critic's value loss: critic.cliprange_value, the algorithm's aggregation, and
+    rollout.max_tokens as the horizon (as the policy loss's)."""
+    return ValueLossConfig(
+        cliprange_value=job.critic.cliprange_value,
+        loss_agg_mode=job.algorithm.loss_agg_mode,
+        horizon=float(job.rollout.max_tokens),
+    )
+
+
+def critic_engine_config(job: JobConfig) -> FSDP2Config:
     """The critic's FSDP2 settings from `critic.*` (its own optimizer and LR schedule: the
-    horizon is total_training_steps × parameter_sync_step × critic.ppo_epochs updates)."""
+    horizon is `updates_per_run` with critic.ppo_epochs), the model's and the device."""
     c = job.critic
     return FSDP2Config(
         model_path=c.model_path or job.model.path,
@@ -118,9 +129,7 @@ def critic_engine_config(job: Any) -> FSDP2Config:
             weight_decay=c.weight_decay,
             grad_clip=c.grad_clip,
             warmup_updates=c.lr_warmup_steps,
-            total_updates=job.trainer.total_training_steps
-            * job.async_training.parameter_sync_step
-            * c.ppo_epochs,
+            total_updates=updates_per_run(job, c.ppo_epochs),
         ),
     )
 
@@ -137,11 +146,11 @@ class FSDP2CriticEngine(FSDP2TrainEngine):
 
     @classmethod
     def from_job_config(  # type: ignore[override]
-        cls, job: Any, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
+        cls, job: JobConfig, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
     ) -> FSDP2CriticEngine:
         return cls(
             critic_engine_config(job),
-            loss_fn=loss_fn or ValueLoss(ValueLossConfig.from_job_config(job)),
+            loss_fn=loss_fn or ValueLoss(value_loss_config(job)),
             model=model,
         )
 

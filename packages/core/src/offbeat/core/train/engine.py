@@ -24,12 +24,15 @@ to the calling rank:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from offbeat.core.algorithms import LossNormalizer
 from offbeat.core.registry import TRAIN_ENGINES
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig, RolloutConfig
 
 __all__ = [
     "TRAIN_ENGINES",
@@ -41,8 +44,10 @@ __all__ = [
     "build_reference_engine",
     "build_train_engine",
     "critic_engine",
+    "log_prob_temperature",
     "register_critic_engine",
     "register_train_engine",
+    "updates_per_run",
 ]
 
 
@@ -143,6 +148,18 @@ class TrainEngine(Protocol):
         ...
 
 
+def log_prob_temperature(rollout: RolloutConfig) -> float:
+    """The temperature a train engine divides logits by: the rollout's sampling one, or 1
+    for a greedy rollout (temperature 0 has no sampling distribution to match)."""
+    return rollout.temperature if rollout.temperature > 0 else 1.0
+
+
+def updates_per_run(job: JobConfig, ppo_epochs: int) -> int:
+    """An LR schedule's horizon, in mini-batch updates: trainer.total_training_steps ×
+    async_training.parameter_sync_step × `ppo_epochs` (the actor's or the critic's)."""
+    return job.trainer.total_training_steps * job.async_training.parameter_sync_step * ppo_epochs
+
+
 def register_train_engine(name: str) -> Callable[[type], type]:
     """Class decorator: make a TrainEngine buildable by name (e.g. from a config key)."""
 
@@ -157,7 +174,7 @@ def build_train_engine(name: str, *args: Any, **kwargs: Any) -> TrainEngine:
     return TRAIN_ENGINES.get(name)(*args, **kwargs)
 
 
-def build_actor_engine(job: Any, **kwargs: Any) -> TrainEngine:
+def build_actor_engine(job: JobConfig, **kwargs: Any) -> TrainEngine:
     """The policy's engine for a `offbeat.core.config.JobConfig`: the class registered
     under `job.actor.engine`, built by its `from_job_config(job, **kwargs)`."""
     return TRAIN_ENGINES.get(job.actor.engine).from_job_config(job, **kwargs)
@@ -186,7 +203,7 @@ def critic_engine(name: str) -> type | None:
     return _CRITICS.get(name)
 
 
-def build_critic_engine(job: Any, **kwargs: Any) -> Any:
+def build_critic_engine(job: JobConfig, **kwargs: Any) -> Any:
     """The critic (value model) for a JobConfig: the class registered for
     `job.critic.engine` (`register_critic_engine`), built by its
     `from_job_config(job, **kwargs)`; it offers `compute_values(batch) -> [B, R]`,
@@ -197,7 +214,7 @@ def build_critic_engine(job: Any, **kwargs: Any) -> Any:
     return cls.from_job_config(job, **kwargs)
 
 
-def build_reference_engine(job: Any, **kwargs: Any) -> TrainEngine:
+def build_reference_engine(job: JobConfig, **kwargs: Any) -> TrainEngine:
     """The frozen reference policy for a JobConfig: the class registered under
     `job.actor.engine`, built by its `reference_from_job_config(job, **kwargs)`; only its
     `compute_log_probs` is used."""

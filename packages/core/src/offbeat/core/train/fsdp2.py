@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,12 @@ from offbeat.core.data.vision import vision_model_kwargs
 from offbeat.core.device import Device, current_device, get_device
 from offbeat.core.train import _batch, _checkpoint, _gather, _sharding
 from offbeat.core.train._metrics import MetricSums
-from offbeat.core.train.engine import LossFn, register_train_engine
+from offbeat.core.train.engine import (
+    LossFn,
+    log_prob_temperature,
+    register_train_engine,
+    updates_per_run,
+)
 from offbeat.core.train.flops import (
     decoder_shape_of,
     device_name,
@@ -48,11 +53,19 @@ from offbeat.core.train.loss import (
     STUDENT_TOPK_LOG_PROBS,
     TEACHER_TOPK_IDS,
     PPOLoss,
-    PPOLossConfig,
+    ppo_loss_config,
 )
-from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from offbeat.core.train.optim import (
+    OptimConfig,
+    actor_optim,
+    build_lr_scheduler,
+    build_optimizer,
+)
 
-__all__ = ["FSDP2Config", "FSDP2TrainEngine", "hf_name"]
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
+
+__all__ = ["FSDP2Config", "FSDP2TrainEngine", "actor_engine_config", "hf_name"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) put in front of
@@ -119,35 +132,25 @@ class FSDP2Config:
                 raise ValueError(f"{prefix}.{key}={value!r}: must be one of {sorted(_DTYPES)}")
         self.optim.validate(f"{prefix}.optim")
 
-    @classmethod
-    def from_job_config(cls, job: Any) -> FSDP2Config:
-        """The actor's engine config from a `offbeat.core.config.JobConfig`: the LR horizon
-        is total_training_steps x parameter_sync_step x ppo_epochs mini-batch updates."""
-        a = job.actor
-        return cls(
-            model_path=job.model.path,
-            device=job.resources.device,
-            micro_batch_size=a.ppo_micro_batch_size_per_device,
-            # Greedy rollout (temperature 0) has no sampling distribution to match: score
-            # at temperature 1 then.
-            temperature=job.rollout.temperature if job.rollout.temperature > 0 else 1.0,
-            param_dtype=job.model.dtype,
-            export_dtype=job.model.dtype,
-            gradient_checkpointing=a.gradient_checkpointing,
-            trust_remote_code=job.model.trust_remote_code,
-            override_config=dict(job.model.override_config),
-            optim=OptimConfig(
-                lr=a.lr,
-                weight_decay=a.weight_decay,
-                grad_clip=a.grad_clip,
-                warmup_updates=a.lr_warmup_steps,
-                lr_schedule=a.lr_schedule,
-                min_lr_ratio=a.min_lr_ratio,
-                total_updates=job.trainer.total_training_steps
-                * job.async_training.parameter_sync_step
-                * a.ppo_epochs,
-            ),
-        )
+
+
+def actor_engine_config(job: JobConfig) -> FSDP2Config:
+    """The actor's FSDP2 settings, the one place that reads them from a job: model.*,
+    resources.device, actor.* (micro-batches, gradient checkpointing, optimizer; the LR
+    horizon is `updates_per_run`), the rollout's temperature (`log_prob_temperature`)."""
+    a, m = job.actor, job.model
+    return FSDP2Config(
+        model_path=m.path,
+        device=job.resources.device,
+        micro_batch_size=a.ppo_micro_batch_size_per_device,
+        temperature=log_prob_temperature(job.rollout),
+        param_dtype=m.dtype,
+        export_dtype=m.dtype,
+        gradient_checkpointing=a.gradient_checkpointing,
+        trust_remote_code=m.trust_remote_code,
+        override_config=dict(m.override_config),
+        optim=actor_optim(a, updates_per_run(job, a.ppo_epochs)),
+    )
 
 
 def hf_name(name: str) -> str:
@@ -179,19 +182,19 @@ class FSDP2TrainEngine:
 
     @classmethod
     def from_job_config(
-        cls, job: Any, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
+        cls, job: JobConfig, *, model: nn.Module | None = None, loss_fn: LossFn | None = None
     ) -> FSDP2TrainEngine:
         """The actor engine of a JobConfig, with its PPO loss (see `PPOLossConfig`)."""
         if loss_fn is None:
-            loss_fn = PPOLoss(PPOLossConfig.from_job_config(job))
-        return cls(FSDP2Config.from_job_config(job), loss_fn=loss_fn, model=model)
+            loss_fn = PPOLoss(ppo_loss_config(job))
+        return cls(actor_engine_config(job), loss_fn=loss_fn, model=model)
 
     @classmethod
-    def reference_from_job_config(cls, job: Any, *, model: nn.Module | None = None) -> Any:
+    def reference_from_job_config(cls, job: JobConfig, *, model: nn.Module | None = None) -> Any:
         """The frozen reference policy of a JobConfig: the actor's initial model and engine
         settings (it is only ever asked for log-probs), `ref.*` micro-batches and offload."""
         config = dataclasses.replace(
-            FSDP2Config.from_job_config(job),
+            actor_engine_config(job),
             micro_batch_size=job.ref.log_prob_micro_batch_size_per_device
             or job.actor.ppo_micro_batch_size_per_device,
             offload_params=job.ref.param_offload,

@@ -12,7 +12,7 @@ mode changes the loss mask, and the normaliser must count the final mask).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,12 +30,16 @@ from offbeat.core.algorithms import (
 )
 from offbeat.core.train.engine import batch_field
 
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
+
 __all__ = [
     "STUDENT_TOPK_LOG_PROBS",
     "TEACHER_TOPK_IDS",
     "TEACHER_TOPK_LOG_PROBS",
     "PPOLoss",
     "PPOLossConfig",
+    "ppo_loss_config",
 ]
 
 # The top-k forward-KL term (on-policy distillation): [B, R, k] teacher token ids and
@@ -50,7 +54,7 @@ _IS_MODES = ("truncate", "mask")
 
 @dataclass
 class PPOLossConfig:
-    """Knobs of the policy loss; `from_job_config` fills them from a JobConfig.
+    """Knobs of the policy loss; `ppo_loss_config` fills them from a job.
 
     `horizon` is the constant length `seq-mean-token-sum-norm` divides by (the rollout's
     max response tokens); None falls back to the mini-batch's longest response.
@@ -102,31 +106,32 @@ class PPOLossConfig:
         if self.clip_ratio_high < 0.0:
             raise ValueError(f"{prefix}.clip_ratio_high={self.clip_ratio_high!r}: must be >= 0")
 
-    @classmethod
-    def from_job_config(cls, job: Any) -> PPOLossConfig:
-        """From a `offbeat.core.config.JobConfig` (actor clip ratios, algorithm section,
-        rollout.max_tokens as the horizon; an OPD job's `distillation` section with
-        `loss=topk_forward_kl` sets `topk_kl_coef` to its `kl_coef`)."""
-        a, alg = job.actor, job.algorithm
-        d = getattr(job, "distillation", None)
-        topk = d is not None and getattr(d, "loss", "") == "topk_forward_kl"
-        return cls(
-            loss_agg_mode=alg.loss_agg_mode,
-            clip_ratio_low=a.clip_ratio_low,
-            clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c,
-            rollout_is_level=alg.rollout_is_level,
-            rollout_is_mode=alg.rollout_is_mode,
-            rollout_is_threshold=alg.rollout_is_threshold,
-            rollout_is_threshold_lower=alg.rollout_is_threshold_lower,
-            use_kl_loss=alg.use_kl_loss,
-            kl_loss_coef=alg.kl_loss_coef,
-            kl_loss_type=alg.kl_loss_type,
-            kl_clamp=alg.kl_clamp,
-            entropy_coeff=alg.entropy_coeff,
-            topk_kl_coef=float(d.kl_coef) if topk else 0.0,
-            horizon=float(job.rollout.max_tokens),
-        )
+
+def ppo_loss_config(job: JobConfig) -> PPOLossConfig:
+    """The policy loss of a job, the one place that reads it from one (both train engines
+    build theirs here): actor.clip_ratio_*, the algorithm section, rollout.max_tokens as
+    the horizon; an OPD job's `distillation` section with `loss=topk_forward_kl` sets
+    `topk_kl_coef` to its `kl_coef`."""
+    a, alg = job.actor, job.algorithm
+    d = getattr(job, "distillation", None)
+    topk = d is not None and getattr(d, "loss", "") == "topk_forward_kl"
+    return PPOLossConfig(
+        loss_agg_mode=alg.loss_agg_mode,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        rollout_is_level=alg.rollout_is_level,
+        rollout_is_mode=alg.rollout_is_mode,
+        rollout_is_threshold=alg.rollout_is_threshold,
+        rollout_is_threshold_lower=alg.rollout_is_threshold_lower,
+        use_kl_loss=alg.use_kl_loss,
+        kl_loss_coef=alg.kl_loss_coef,
+        kl_loss_type=alg.kl_loss_type,
+        kl_clamp=alg.kl_clamp,
+        entropy_coeff=alg.entropy_coeff,
+        topk_kl_coef=float(d.kl_coef) if topk else 0.0,
+        horizon=float(job.rollout.max_tokens),
+    )
 
 
 class PPOLoss:

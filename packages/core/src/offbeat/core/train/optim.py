@@ -11,10 +11,21 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["LR_SCHEDULES", "OptimConfig", "build_lr_scheduler", "build_optimizer", "lr_factor"]
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import ActorConfig
+
+__all__ = [
+    "LR_SCHEDULES",
+    "OptimConfig",
+    "actor_optim",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "lr_factor",
+]
 
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
@@ -59,6 +70,20 @@ class OptimConfig:
                 f"horizon (in mini-batch updates) > {prefix}.warmup_updates="
                 f"{self.warmup_updates}, e.g. total_steps x parameter_sync_step"
             )
+
+
+def actor_optim(actor: ActorConfig, total_updates: int) -> OptimConfig:
+    """The policy's optimizer and LR schedule from the `actor` section, over a horizon of
+    `total_updates` mini-batch updates (`offbeat.core.train.engine.updates_per_run`)."""
+    return OptimConfig(
+        lr=actor.lr,
+        weight_decay=actor.weight_decay,
+        grad_clip=actor.grad_clip,
+        warmup_updates=actor.lr_warmup_steps,
+        lr_schedule=actor.lr_schedule,
+        min_lr_ratio=actor.min_lr_ratio,
+        total_updates=total_updates,
+    )
 
 
 def lr_factor(config: OptimConfig, update: int) -> float:

@@ -8,11 +8,11 @@ from offbeat.core.trainer.critic import Critic
 from offbeat.core.trainer.extension import JobExtension
 from offbeat.core.trainer.hybrid import CYCLE_PHASES, HybridReplicas
 from offbeat.core.trainer.ppo import CriticAndReference
-from offbeat.core.trainer.reference import KLSettings, Reference
+from offbeat.core.trainer.reference import Reference
 from offbeat.core.trainer.replicas import NoReplicasLeft, Replacement, ReplicaPool
 from offbeat.core.trainer.rollout import BusyClock, RolloutDriver, RolloutFailing
 from offbeat.core.trainer.tracking import LOGGERS, MetricsTracker
-from offbeat.core.trainer.trainer import MODES, Trainer, TrainerSettings, build_train_batch
+from offbeat.core.trainer.trainer import MODES, Trainer, build_train_batch
 from offbeat.core.trainer.validation import Validator
 
 __all__ = [  # noqa: RUF022 (grouped by concept)
@@ -21,12 +21,10 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     # the loop
     "MODES",
     "Trainer",
-    "TrainerSettings",
     "build_train_batch",
     # critic and reference model (PPO with GAE, KL loss, KL in the reward)
     "Critic",
     "CriticAndReference",
-    "KLSettings",
     "Reference",
     # rollout side
     "BusyClock",

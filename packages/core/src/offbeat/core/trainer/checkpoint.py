@@ -17,10 +17,13 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import TrainerConfig
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _MARKER = "COMPLETE"
@@ -115,3 +118,11 @@ class CheckpointManager:
             return
         for _, p in self.complete()[: -self.keep_last]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def make_checkpoints(trainer: TrainerConfig, keep_last: int) -> CheckpointManager | None:
+    """The run's checkpoints in `trainer.checkpoint_dir`, keeping the newest `keep_last`;
+    None when the run neither writes (save_freq < 0) nor resumes from one."""
+    if trainer.save_freq < 0 and not trainer.resume:
+        return None
+    return CheckpointManager(trainer.checkpoint_dir, keep_last=keep_last)

@@ -33,15 +33,6 @@ class Critic:
         self.lam = lam
         self.ppo_epochs = ppo_epochs
 
-    @classmethod
-    def from_job(cls, cfg: Any, engine: Any = None) -> Critic:
-        if engine is None:
-            from offbeat.core.train import build_critic_engine
-
-            engine = build_critic_engine(cfg)
-        al = cfg.algorithm
-        return cls(engine, gamma=al.gamma, lam=al.lam, ppo_epochs=cfg.critic.ppo_epochs)
-
     def advantages(
         self,
         estimator: str,

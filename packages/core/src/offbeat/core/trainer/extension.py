@@ -24,9 +24,12 @@ caller's. Knows no recipe, no reward and no engine: only the order of the calls.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config import JobConfig
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
 
 __all__ = [
     "JobExtension",
@@ -34,6 +37,7 @@ __all__ = [
     "close_extensions",
     "configure",
     "extra_pools",
+    "job_validator",
     "make_validator",
     "overrides",
     "reward_extensions",
@@ -71,7 +75,7 @@ class JobExtension:
         return agent
 
     def make_validator(self, cfg: JobConfig, agent: Any, rows: list) -> Any:
-        """A validator in place of `Validator.from_job` (None: no say)."""
+        """A validator in place of the job's (`Validator.build`; None: no say)."""
         return None
 
     def batch_hook(self, batch: Any, data: dict[str, Any]) -> dict[str, float]:
@@ -125,6 +129,25 @@ def start_extension_replicas(
     those of the extensions before one whose start failed)."""
     for ext in extensions:
         started.update(ext.start_replicas(cfg, pools))
+
+
+def job_validator(
+    cfg: RunConfig, agent: Any, rows: list, extensions: Sequence[JobExtension]
+) -> Any:
+    """The run's validator over `rows`: on the agent the extensions' `validation_agent`
+    make of `agent`, the first validator an extension makes, else the job's
+    (`Validator.build`); with `agent.val_without_tools` the policy without its tools is
+    scored beside it (`val/reward_no_tools`)."""
+    from offbeat.core.trainer.validation import Validator
+
+    for ext in extensions:
+        agent = ext.validation_agent(agent)
+    validator = make_validator(
+        cfg, agent, rows, extensions, lambda c, a, r: Validator.build(c.trainer, c.data, a, r)
+    )
+    if validator is not None and cfg.agent.val_without_tools:
+        validator.baselines["no_tools"] = agent.loop("single_turn")
+    return validator
 
 
 def make_validator(

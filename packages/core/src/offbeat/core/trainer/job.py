@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import os
 import random
 import time
@@ -30,10 +29,9 @@ import numpy as np
 import torch
 
 from offbeat.core import compat
-from offbeat.core.agent.loops import AgentConfig
-from offbeat.core.config import JobConfig
-from offbeat.core.config.validation import Problems, check
-from offbeat.core.cpus import machine_cpus, pin_process
+from offbeat.core.config import JobConfig, TrainerConfig
+from offbeat.core.config.run import RunConfig
+from offbeat.core.cpus import pin_process
 from offbeat.core.device import current_device
 from offbeat.core.models.resolve import resolve_model
 from offbeat.core.models.tiny import TINY_PREFIX
@@ -47,110 +45,14 @@ from offbeat.core.runtime.launch import (
     replica_options,
     start_pools,
     start_trainer,
+    start_trainer_side,
 )
 from offbeat.core.runtime.launch import trainer_in_driver as _trainer_in_driver
 from offbeat.core.tasks import checks as _prompt_checks  # noqa: F401  (registers its rules)
-from offbeat.core.tasks.synthetic import SyntheticTaskConfig
 from offbeat.core.trainer import extension as ext
 from offbeat.core.trainer import runtime_checks  # noqa: F401  (registers its rules)
 from offbeat.core.trainer.elastic import replacement_for, shutdown_replicas, start_hybrid_replicas
 from offbeat.core.trainer.extension import JobExtension
-from offbeat.core.trainer.warm_start import WarmStartConfig
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunConfig(JobConfig):
-    """A job config plus what the embedded default needs: a synthetic task when no
-    dataset is given, a brief warm start, and runtime knobs."""
-
-    task: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-
-
-# ---- validation rules this module adds (run by offbeat.core.config.validate) -----------
-@check
-def _offbeat_trainer_rules(cfg: Any, p: Problems) -> None:
-    s = cfg.async_training
-    if (
-        cfg.trainer.mode == "separate_async"
-        and s.max_off_policy_strategy == "drop"
-        and isinstance(s.num_warmup_batches, int)
-        and type(s.max_off_policy_threshold) is int  # a bad threshold is reported on its own
-        and s.max_off_policy_threshold > 0
-        and s.num_warmup_batches + 1 > s.max_off_policy_threshold
-    ):
-        from offbeat.core.buffer import drop_depth_message
-
-        p.add(
-            "async_training.num_warmup_batches",
-            s.num_warmup_batches,
-            drop_depth_message(s.num_warmup_batches, s.max_off_policy_threshold),
-        )
-    from offbeat.core.trainer.experiment_trackers import install_hint
-    from offbeat.core.trainer.tracking import LOGGERS
-
-    bad = [x for x in cfg.trainer.loggers if x not in LOGGERS]
-    if bad:
-        p.add("trainer.loggers", list(cfg.trainer.loggers), f"each one of {list(LOGGERS)}")
-    for name in dict.fromkeys(x for x in cfg.trainer.loggers if x in LOGGERS):
-        if hint := install_hint(name):  # wandb, mlflow: an extra that is not installed
-            p.add("trainer.loggers", list(cfg.trainer.loggers), hint)
-    path = cfg.model.path
-    if isinstance(path, str) and path.startswith(TINY_PREFIX):
-        from offbeat.core.models import TINY_MODEL_PRESETS
-
-        size = path[len(TINY_PREFIX) :]
-        if size not in TINY_MODEL_PRESETS:
-            p.add(
-                "model.path", path, f"{TINY_PREFIX}<size> with size in {sorted(TINY_MODEL_PRESETS)}"
-            )
-    elif isinstance(path, str) and path.startswith(("/", "./", "../")) and not Path(path).is_dir():
-        p.add("model.path", path, "an existing HF model directory")
-    for key in ("train_files", "val_files"):
-        for f in getattr(cfg.data, key):
-            if not Path(f).is_file():
-                p.add(f"data.{key}", f, "existing parquet files")
-    rt = getattr(cfg, "runtime", None)
-    if rt is not None:
-        from offbeat.ckpt_engine import backends
-
-        if rt.ckpt_backend not in backends():
-            p.add("runtime.ckpt_backend", rt.ckpt_backend, f"one of {sorted(backends())}")
-        p.require_int("runtime.max_concurrent_groups", rt.max_concurrent_groups)
-        usable = sorted(os.sched_getaffinity(0))
-        bad_cpus = [c for c in rt.trainer_cpus if c not in usable]
-        if bad_cpus:
-            p.add("runtime.trainer_cpus", list(rt.trainer_cpus), f"cores of this machine: {usable}")
-        p.require_int("runtime.trainer_threads", rt.trainer_threads)
-        p.require_int("runtime.max_failed_batches", rt.max_failed_batches)
-
-
-@check
-def _offbeat_placement_rules(cfg: Any, p: Problems) -> None:
-    rt = getattr(cfg, "runtime", None)
-    if rt is None or not rt.rollout_cpus:
-        return
-    usable = machine_cpus()
-    cpus = list(rt.rollout_cpus)
-    if any(isinstance(c, bool) or not isinstance(c, int) for c in cpus):
-        p.add("runtime.rollout_cpus", cpus, f"core ids (ints) of this machine: {usable}")
-        return
-    if [c for c in cpus if c not in usable]:
-        p.add("runtime.rollout_cpus", cpus, f"cores of this machine: {usable}")
-    elif len(set(cpus)) != len(cpus):
-        p.add("runtime.rollout_cpus", cpus, "each core once")
-    shared = sorted(set(cpus) & set(rt.trainer_cpus))
-    if shared:
-        p.add(
-            "runtime.rollout_cpus",
-            cpus,
-            f"cores disjoint from runtime.trainer_cpus={list(rt.trainer_cpus)} (both name "
-            f"{shared})",
-        )
 
 
 # ---- building blocks ---------------------------------------------------------------------
@@ -372,7 +274,7 @@ def base_sampling(cfg: JobConfig) -> dict[str, Any]:
     return params
 
 
-def make_tracer(trainer: Any, run_dir: Path) -> Any:
+def make_tracer(trainer: TrainerConfig, run_dir: Path) -> Any:
     """The step timeline <run_dir>/trace.json: every step with `trainer.trace`, else the
     first `trainer.trace_steps` (None when that is 0)."""
     from offbeat.core.trace import Tracer
@@ -465,7 +367,7 @@ def start_replicas(p: Prepared, pools: Any = None) -> dict[str, Any]:
     cfg = p.cfg
     from offbeat.core.config.support import replica_devices
 
-    n = cfg.resources.rollout_devices // replica_devices(cfg)
+    n = cfg.resources.rollout_devices // replica_devices(cfg.rollout)
     specs = [
         ReplicaSpec(cfg, str(p.model_dir), i, ray_options=replica_options(pools, i))
         for i in range(n)
@@ -510,23 +412,20 @@ async def _train(
     hybrids: dict[str, Any] | None,
     exts: list[JobExtension],
 ) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.agent.loops import build_agent
-    from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
-    from offbeat.core.data.vision import load_processor
+    from offbeat.core.data.vision import load_tokenizer
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replay import attach
     from offbeat.core.tasks import PromptDataLoader, read_parquet
-    from offbeat.core.trainer.checkpoint import CheckpointManager
+    from offbeat.core.trainer.checkpoint import make_checkpoints
     from offbeat.core.trainer.hybrid import HybridReplicas
     from offbeat.core.trainer.ppo import CriticAndReference
     from offbeat.core.trainer.replicas import ReplicaPool
-    from offbeat.core.trainer.rollout import RolloutDriver
-    from offbeat.core.trainer.tracking import MetricsTracker
-    from offbeat.core.trainer.trainer import Trainer, TrainerSettings
-    from offbeat.core.trainer.validation import Validator
+    from offbeat.core.trainer.report import job_summary
+    from offbeat.core.trainer.rollout import make_buffer, make_driver
+    from offbeat.core.trainer.tracking import make_tracker
+    from offbeat.core.trainer.trainer import Trainer
 
     t0 = time.perf_counter()
     cfg, rt = p.cfg, p.cfg.runtime
@@ -535,25 +434,9 @@ async def _train(
     run_dir.mkdir(parents=True, exist_ok=True)
     own_pools = None
     if side is None:
-        if not _trainer_in_driver(cfg) and (pools is None or "trainer" not in pools.groups):
-            pools = own_pools = await start_pools(cfg, rollout=False)
-        try:  # the train engine builds while the replicas start
-            side = await start_trainer(cfg, pools)
-        except BaseException:
-            if own_pools is not None:
-                own_pools.remove()
-            raise
+        side, pools, own_pools = await start_trainer_side(cfg, pools)
     engine = side.engine
-    # A vision-language model's processor renders and tokenises rows with images.
-    processor = load_processor(p.model_dir, cfg.model.trust_remote_code)
-    tokenizer = (
-        processor.tokenizer
-        if processor is not None and not cfg.model.tokenizer_path
-        else AutoTokenizer.from_pretrained(
-            cfg.model.tokenizer_path or str(p.model_dir),
-            trust_remote_code=cfg.model.trust_remote_code,
-        )
-    )
+    tokenizer, processor = load_tokenizer(p.model_dir, cfg.model)
     await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
     for e in exts:
         await e.setup(p, pools)
@@ -567,15 +450,7 @@ async def _train(
     pool = tracker = tracer = None
     try:
         rewards = reward_registry(cfg)
-        s = cfg.async_training
-        buffer = AsyncReplayBuffer(
-            BufferConfig(
-                groups_per_step=cfg.data.train_batch_size,
-                max_off_policy_threshold=s.max_off_policy_threshold,
-                max_off_policy_strategy=s.max_off_policy_strategy,
-                num_warmup_batches=0 if cfg.trainer.mode == "sync" else s.num_warmup_batches,
-            )
-        )
+        buffer = make_buffer(cfg)
         replacement = (
             replacement_for(p, pools, servers) if rt.replica_replace_attempts > 0 else None
         )
@@ -599,45 +474,20 @@ async def _train(
             tokenizer=tokenizer, loader=loader, agent=train_agent,
             version=lambda: pool.last_sync.version if pool.last_sync else version_offset,
         )  # fmt: skip
-        driver = RolloutDriver(
-            buffer, rr.loader, rr.agent, n=cfg.rollout.n,
-            max_concurrent_groups=rt.max_concurrent_groups,
-            max_consecutive_failures=rt.max_failed_batches * cfg.data.train_batch_size,
-            limit_key=f"runtime.max_failed_batches={rt.max_failed_batches} × "
-            f"data.train_batch_size={cfg.data.train_batch_size}",
-            sample_seed=cfg.rollout.seed,
-        )  # fmt: skip
+        driver = make_driver(cfg, buffer, rr.loader, rr.agent)
         pool.on_pause = driver.clock.pause
         val_rows = [r for f in p.val_files for r in read_parquet(f)]
-        val_agent = agent
-        for e in exts:
-            val_agent = e.validation_agent(val_agent)
-        validator = ext.make_validator(cfg, val_agent, val_rows, exts, Validator.from_job)
-        if validator is not None and cfg.agent.val_without_tools:
-            validator.baselines["no_tools"] = val_agent.loop("single_turn")
-        checkpoints = (
-            None
-            if cfg.trainer.save_freq < 0 and not cfg.trainer.resume
-            else CheckpointManager(cfg.trainer.checkpoint_dir, keep_last=rt.checkpoint_keep_last)
-        )
-        # A run that resumes from a checkpoint continues its metrics file; any other run
-        # starts it afresh (a rerun must not read as one run of twice the steps).
-        resuming = cfg.trainer.resume and checkpoints is not None and checkpoints.latest()
-        # wandb / MLflow: the run is trainer.project_name / experiment_name, its config the
-        # resolved one (local model path, the step count prepare left).
-        tracker = MetricsTracker(
-            run_dir, cfg.trainer.loggers, total_steps=cfg.trainer.total_training_steps,
-            progress=rt.progress_bar, append=bool(resuming), project=cfg.trainer.project_name,
-            run_name=cfg.trainer.experiment_name, run_config=cfg, store_dir=cfg.trainer.log_dir,
-        )  # fmt: skip
-        settings = TrainerSettings.from_job(cfg, pad_token_id=tokenizer.pad_token_id or 0)
+        validator = ext.job_validator(cfg, agent, val_rows, exts)
+        checkpoints = make_checkpoints(cfg.trainer, rt.checkpoint_keep_last)
+        tracker = make_tracker(cfg, run_dir, checkpoints)
         # The critic and the reference model, when the algorithm needs them: on the
         # trainer group's ranks (critic.placement=actor, ref.placement=actor; the one local
         # rank with the trainer in the driver) or on groups of their own; the side carries
         # their engines.
-        critic_ref = CriticAndReference.from_job(
-            cfg, critic_engine=side.critic_engine, reference_engine=side.reference_engine
-        )
+        critic_ref = CriticAndReference.build(
+            cfg.algorithm, cfg.critic, cfg.rollout,
+            critic_engine=side.critic_engine, reference_engine=side.reference_engine,
+        )  # fmt: skip
         tracer = make_tracer(cfg.trainer, run_dir)
         hybrid = None
         if hybrids:
@@ -647,20 +497,16 @@ async def _train(
             )  # fmt: skip
         memory = ReplicaMemory(pool.servers, hybrid.servers if hybrid is not None else None)
         trainer = Trainer(
-            settings, engine=engine, buffer=buffer, driver=driver, pool=pool, tracker=tracker,
-            checkpoints=checkpoints, validator=validator, rollout_memory=memory,
-            version_offset=version_offset, tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
+            cfg, pad_token_id=tokenizer.pad_token_id or 0, engine=engine, buffer=buffer,
+            driver=driver, pool=pool, tracker=tracker, checkpoints=checkpoints,
+            validator=validator, rollout_memory=memory, version_offset=version_offset,
+            tracer=tracer, hybrid=hybrid, critic_ref=critic_ref,
             step_hooks=[*rr.hooks, *(h for e in exts for h in e.step_hooks())],
             batch_hook=ext.batch_hook(exts),
         )  # fmt: skip
         tracker.event(run_header(p, len(servers), ready_s) + "".join(f"; {n}" for n in rr.notes))
         summary = await trainer.run()
-        try:
-            plot = tracker.plot()
-        except ImportError as e:  # matplotlib missing: keep the run's results, skip the PNG
-            logger.warning("no reward plot: %s", e)
-            plot = None
-        tracker.close(artifacts=[tracer.path if tracer is not None else None, plot])
+        plot = tracker.finish(tracer.path if tracer is not None else None)
     finally:
         if tracker is not None:  # the run failed (after a clean close this does nothing)
             tracker.close(artifacts=[tracer.path if tracer is not None else None], failed=True)
@@ -670,21 +516,10 @@ async def _train(
         await side.close()
         if own_pools is not None:
             own_pools.remove()
-    summary.update(
-        {
-            "run_dir": str(run_dir),
-            "metrics": str(tracker.jsonl_path),
-            "plot": str(plot) if plot else None,
-            "trace": str(tracer.path) if tracer is not None else None,
-            "startup_s": p.setup_s + ready_s,
-            "removed_replicas": dict(pool.removed),
-            "replaced_replicas": dict(pool.replaced),
-            "hybrid_events": list(hybrid.events) if hybrid is not None else [],
-            "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
-            "trainer": trainer,
-        }
-    )
-    return summary
+    return job_summary(
+        summary, run_dir=run_dir, tracker=tracker, plot=plot, tracer=tracer,
+        startup_s=p.setup_s + ready_s, pool=pool, hybrid=hybrid, trainer=trainer,
+    )  # fmt: skip
 
 
 async def run_job(

@@ -9,8 +9,8 @@ actor's updates, and after them:
 In a job both models live on the ranks of a worker group, the actor's
 (`critic.placement=actor`, `ref.placement=actor`; one rank in the driver when the
 trainer runs there) or their own, and their engines are the group's proxies
-(`offbeat.core.runtime.GroupCriticEngine`, `GroupReferenceEngine`); `from_job` with no
-engines builds bare ones in this process (a script's, a test's). Knows nothing about
+(`offbeat.core.runtime.GroupCriticEngine`, `GroupReferenceEngine`); a script builds bare
+ones in its process (`offbeat.core.train.build_critic_engine`). Knows nothing about
 rollout, the buffer or weight sync; the blocking engine calls run in worker threads.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +28,18 @@ from offbeat.core.metrics import MetricsAggregator
 from offbeat.core.trainer.critic import Critic
 from offbeat.core.trainer.reference import Reference
 
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import AlgorithmConfig, CriticConfig, RolloutConfig
+
 __all__ = ["CriticAndReference"]
+
+
+def _engine_given(engine: Any, role: str, needed_by: str) -> None:
+    if engine is None:
+        raise ValueError(
+            f"CriticAndReference.build: {needed_by} needs a {role} engine; pass the trainer "
+            f"side's, or build one: build_{role}_engine(job) (offbeat.core.train)"
+        )
 
 
 class CriticAndReference:
@@ -49,20 +60,38 @@ class CriticAndReference:
         self.norm_by_std = norm_by_std
 
     @classmethod
-    def from_job(
-        cls, cfg: Any, *, critic_engine: Any = None, reference_engine: Any = None
+    def build(
+        cls,
+        algorithm: AlgorithmConfig,
+        critic: CriticConfig,
+        rollout: RolloutConfig,
+        *,
+        critic_engine: Any = None,
+        reference_engine: Any = None,
     ) -> CriticAndReference | None:
-        """The job's critic (when the estimator needs one) and reference (when a KL term
-        reads it); None when it needs neither."""
+        """The job's critic over `critic_engine` (when `algorithm.adv_estimator` needs one:
+        `algorithm.gamma`, `algorithm.lam`, `critic.ppo_epochs`) and its reference over
+        `reference_engine` (when a KL term reads it: `algorithm`'s KL keys, at the
+        rollout's temperature); None when it needs neither. The engines are the trainer
+        side's, or a script's (`build_critic_engine(job)`, `build_reference_engine(job)`)."""
         from offbeat.core.config.support import needs_critic, needs_reference
 
-        al = cfg.algorithm
-        critic = Critic.from_job(cfg, critic_engine) if needs_critic(al.adv_estimator) else None
-        reference = Reference.from_job(cfg, reference_engine) if needs_reference(al) else None
-        if critic is None and reference is None:
+        al = algorithm
+        values = None
+        if needs_critic(al.adv_estimator):
+            _engine_given(critic_engine, "critic", f"algorithm.adv_estimator={al.adv_estimator!r}")
+            values = Critic(critic_engine, gamma=al.gamma, lam=al.lam, ppo_epochs=critic.ppo_epochs)
+        reference = None
+        if needs_reference(al):
+            _engine_given(reference_engine, "reference", "a KL term (algorithm.use_kl_*)")
+            # Greedy rollout (temperature 0) has no distribution to match: score at 1 then.
+            temperature = rollout.temperature if rollout.temperature > 0 else 1.0
+            reference = Reference(reference_engine, al, temperature)
+            _ = reference.fingerprint  # now, at build time, not on the event loop later
+        if values is None and reference is None:
             return None
         return cls(
-            critic=critic, reference=reference, adv_estimator=al.adv_estimator,
+            critic=values, reference=reference, adv_estimator=al.adv_estimator,
             norm_by_std=al.norm_adv_by_std_in_grpo,
         )  # fmt: skip
 

@@ -15,8 +15,7 @@ resume, and the fingerprint proves that they are the same ones.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,34 +27,10 @@ from offbeat.core.algorithms import (
     masked_mean,
 )
 
-__all__ = ["KLSettings", "Reference", "weights_fingerprint"]
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import AlgorithmConfig
 
-
-@dataclass
-class KLSettings:
-    """The algorithm section's KL keys (see `AlgorithmConfig`)."""
-
-    use_kl_loss: bool = False
-    kl_loss_type: str = "k3"
-    kl_loss_coef: float = 0.001
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "k1"
-    kl_clamp: float = 10.0
-    ctrl_type: str = "fixed"
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
-
-    @classmethod
-    def from_job(cls, cfg: Any) -> KLSettings:
-        al = cfg.algorithm
-        k = al.kl_ctrl
-        return cls(
-            use_kl_loss=al.use_kl_loss, kl_loss_type=al.kl_loss_type,
-            kl_loss_coef=al.kl_loss_coef, use_kl_in_reward=al.use_kl_in_reward,
-            kl_penalty=al.kl_penalty, kl_clamp=al.kl_clamp, ctrl_type=k.type,
-            kl_coef=k.kl_coef, target_kl=k.target_kl, horizon=k.horizon,
-        )  # fmt: skip
+__all__ = ["Reference", "weights_fingerprint"]
 
 
 def weights_fingerprint(named_tensors: Any) -> list[float]:
@@ -74,29 +49,22 @@ class Reference:
     """`log_probs(data)` from the frozen engine; `kl_metrics` and `penalise` (the
     in-reward KL with its controller, stepped once per batch)."""
 
-    def __init__(self, engine: Any, settings: KLSettings, temperature: float | None = None):
+    def __init__(
+        self, engine: Any, algorithm: AlgorithmConfig, temperature: float | None = None
+    ) -> None:
+        """`algorithm`: the job's section, whose KL keys it reads (`use_kl_loss`,
+        `kl_loss_type`, `kl_loss_coef`, `use_kl_in_reward`, `kl_penalty`, `kl_clamp`,
+        `kl_ctrl`); `temperature`: the rollout's (its log-probs are the sampler's)."""
         self.engine = engine
-        self.s = settings
+        self.algorithm = algorithm
         self.temperature = temperature
+        k = algorithm.kl_ctrl
         self.controller = (
-            build_kl_controller(
-                settings.ctrl_type, settings.kl_coef, settings.target_kl, settings.horizon
-            )
-            if settings.use_kl_in_reward
+            build_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+            if algorithm.use_kl_in_reward
             else None
         )
         self._fingerprint: list[float] | None = None
-
-    @classmethod
-    def from_job(cls, cfg: Any, engine: Any = None) -> Reference:
-        if engine is None:
-            from offbeat.core.train import build_reference_engine
-
-            engine = build_reference_engine(cfg)
-        temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        reference = cls(engine, KLSettings.from_job(cfg), temperature)
-        _ = reference.fingerprint  # now, at build time, not on the event loop later
-        return reference
 
     @property
     def fingerprint(self) -> list[float]:
@@ -118,9 +86,10 @@ class Reference:
         """`actor/kl`: the KL of the policy that sampled (old log-probs) to the reference,
         token mean with the configured estimator (the in-reward one when that is on, else
         the loss's); `actor/kl_coef`: the coefficient in use."""
-        kind = self.s.kl_penalty if self.s.use_kl_in_reward else self.s.kl_loss_type
-        per_token = kl_penalty(data["old_log_probs"], data["ref_log_probs"], kind, self.s.kl_clamp)
-        coef = self.controller.value if self.controller is not None else self.s.kl_loss_coef
+        al = self.algorithm
+        kind = al.kl_penalty if al.use_kl_in_reward else al.kl_loss_type
+        per_token = kl_penalty(data["old_log_probs"], data["ref_log_probs"], kind, al.kl_clamp)
+        coef = self.controller.value if self.controller is not None else al.kl_loss_coef
         return {
             "actor/kl": float(masked_mean(per_token, data["response_mask"])),
             "actor/kl_coef": float(coef),
@@ -134,7 +103,7 @@ class Reference:
         assert self.controller is not None, "penalise needs algorithm.use_kl_in_reward"
         pen = apply_kl_penalty(
             token_scores, data["old_log_probs"], data["ref_log_probs"], data["response_mask"],
-            self.controller.value, kind=self.s.kl_penalty, clamp=self.s.kl_clamp,
+            self.controller.value, kind=self.algorithm.kl_penalty, clamp=self.algorithm.kl_clamp,
         )  # fmt: skip
         self.controller.update(pen.current_kl, n_steps=int(token_scores.shape[0]))
         return pen, {"actor/reward_kl_penalty": pen.current_kl, "actor/kl_coef": pen.beta}

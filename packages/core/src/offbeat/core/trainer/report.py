@@ -5,7 +5,30 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["print_report"]
+__all__ = ["job_summary", "print_report"]
+
+
+def job_summary(
+    summary: dict[str, Any], *, run_dir: Any, tracker: Any, plot: Any, tracer: Any,
+    startup_s: float, pool: Any, hybrid: Any, trainer: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """`summary` (the trainer's) with where the run's files are, its start-up time, the
+    replicas removed and replaced, the hybrid replicas' cycles, and the trainer itself."""
+    summary.update(
+        {
+            "run_dir": str(run_dir),
+            "metrics": str(tracker.jsonl_path),
+            "plot": str(plot) if plot else None,
+            "trace": str(tracer.path) if tracer is not None else None,
+            "startup_s": startup_s,
+            "removed_replicas": dict(pool.removed),
+            "replaced_replicas": dict(pool.replaced),
+            "hybrid_events": list(hybrid.events) if hybrid is not None else [],
+            "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
+            "trainer": trainer,
+        }
+    )
+    return summary
 
 
 def print_report(summary: dict[str, Any], name: str) -> None:

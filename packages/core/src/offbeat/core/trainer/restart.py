@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from offbeat.core.runtime.group import TrainerRankFailed
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import TrainerConfig
 
 __all__ = ["AUTO_RESTARTS", "max_restarts", "restart_cause", "run_with_restarts"]
 
@@ -32,10 +35,9 @@ AUTO_RESTARTS = 2  # trainer.max_restarts=null with checkpoints mid-run (see the
 C = TypeVar("C")
 
 
-def max_restarts(cfg: Any) -> int:
+def max_restarts(t: TrainerConfig) -> int:
     """`trainer.max_restarts`, or when null: `AUTO_RESTARTS` with checkpoints mid-run
     (`trainer.save_freq > 0`), else 0."""
-    t = cfg.trainer
     n = getattr(t, "max_restarts", None)
     if n is None:
         return AUTO_RESTARTS if t.save_freq > 0 else 0
@@ -70,10 +72,10 @@ def _resumed(cfg: C) -> C:
 
 async def run_with_restarts(run: Callable[[C], Awaitable[dict[str, Any]]], cfg: C) -> dict:
     """`await run(cfg)`; when it fails because a trainer rank died, `await run(cfg with
-    trainer.resume=true)` again, up to `max_restarts(cfg)` times. Each restart is logged
+    trainer.resume=true)` again, up to `max_restarts(cfg.trainer)` times. Each restart is logged
     (a warning) with its cause; the summary gets `restarts` (how many) and
     `restart_causes` (each failure's message). The failure past the limit is raised."""
-    limit = max_restarts(cfg)
+    limit = max_restarts(cfg.trainer)
     causes: list[str] = []
     attempt = cfg
     while True:

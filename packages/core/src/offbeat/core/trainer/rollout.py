@@ -29,14 +29,18 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core import progress
-from offbeat.core.buffer import AsyncReplayBuffer
+from offbeat.core.buffer import AsyncReplayBuffer, BufferConfig
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
 
 logger = logging.getLogger(__name__)
 
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
+    from offbeat.core.config.schema import JobConfig
 
 class BusyClock:
     """Seconds during which at least one unit of work was in flight and not paused."""
@@ -253,3 +257,33 @@ def _size(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+def make_buffer(cfg: JobConfig) -> AsyncReplayBuffer:
+    """The run's replay buffer: `data.train_batch_size` groups a step, the staleness bound
+    and warm-up of `async_training` (no warm-up in trainer.mode=sync, where generation
+    and training alternate)."""
+    s = cfg.async_training
+    return AsyncReplayBuffer(
+        BufferConfig(
+            groups_per_step=cfg.data.train_batch_size,
+            max_off_policy_threshold=s.max_off_policy_threshold,
+            max_off_policy_strategy=s.max_off_policy_strategy,
+            num_warmup_batches=0 if cfg.trainer.mode == "sync" else s.num_warmup_batches,
+        )
+    )
+
+
+def make_driver(cfg: RunConfig, buffer: AsyncReplayBuffer, loader: Any, agent: Any) -> RolloutDriver:
+    """The run's rollout driver: `rollout.n` samples a prompt, `rollout.seed`'s per-prompt
+    seeds, `runtime.max_concurrent_groups` workers, and a stop after
+    `runtime.max_failed_batches` train batches' worth of groups fail in a row."""
+    rt, batch = cfg.runtime, cfg.data.train_batch_size
+    return RolloutDriver(
+        buffer, loader, agent, n=cfg.rollout.n,
+        max_concurrent_groups=rt.max_concurrent_groups,
+        max_consecutive_failures=rt.max_failed_batches * batch,
+        limit_key=f"runtime.max_failed_batches={rt.max_failed_batches} × "
+        f"data.train_batch_size={batch}",
+        sample_seed=cfg.rollout.seed,
+    )  # fmt: skip

@@ -11,9 +11,12 @@ HF config and a parquet footer is the most it does).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.config.validation import Problems, check
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import JobConfig
 
 __all__ = ["OWNED_ENGINE_KWARGS"]
 
@@ -30,7 +33,7 @@ OWNED_ENGINE_KWARGS = {
 
 
 @check
-def _weight_sync_reaches_the_replicas(cfg: Any, p: Problems) -> None:
+def _weight_sync_reaches_the_replicas(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None:
         return
@@ -70,7 +73,7 @@ def _weight_sync_reaches_the_replicas(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _replicas_get_the_configured_device(cfg: Any, p: Problems) -> None:
+def _replicas_get_the_configured_device(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None:
         return
@@ -111,7 +114,7 @@ def _replicas_get_the_configured_device(cfg: Any, p: Problems) -> None:
 SHARED_GPU_ENGINES_MAX = 0.9
 
 
-def _one_gpu_is_shared_safely(cfg: Any, p: Problems) -> None:
+def _one_gpu_is_shared_safely(cfg: JobConfig, p: Problems) -> None:
     """`runtime.share_trainer_gpu`: one local GPU holds the trainer and the engines beside
     it. Either the trainer in the driver takes the last replica's GPU, or (hybrid
     replicas, the trainer a worker group) one GPU holds everything: the one trainer rank,
@@ -159,7 +162,7 @@ def _one_gpu_is_shared_safely(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _engine_kwargs_do_not_shadow_the_job(cfg: Any, p: Problems) -> None:
+def _engine_kwargs_do_not_shadow_the_job(cfg: JobConfig, p: Problems) -> None:
     if getattr(cfg, "runtime", None) is None:
         return
     for key, owner in OWNED_ENGINE_KWARGS.items():
@@ -171,7 +174,7 @@ def _engine_kwargs_do_not_shadow_the_job(cfg: Any, p: Problems) -> None:
             )
 
 
-def _hf_config(cfg: Any) -> Any | None:
+def _hf_config(cfg: JobConfig) -> Any | None:
     """The model's HF config when it can be read without building anything, else None."""
     from offbeat.core.models.tiny import TINY_PREFIX
 
@@ -188,7 +191,7 @@ def _hf_config(cfg: Any) -> Any | None:
 
 
 @check
-def _model_overrides_exist(cfg: Any, p: Problems) -> None:
+def _model_overrides_exist(cfg: JobConfig, p: Problems) -> None:
     overrides = cfg.model.override_config
     if getattr(cfg, "runtime", None) is None or not overrides:
         return
@@ -206,7 +209,7 @@ def _model_overrides_exist(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _data_lasts_one_step(cfg: Any, p: Problems) -> None:
+def _data_lasts_one_step(cfg: JobConfig, p: Problems) -> None:
     t, d = cfg.trainer, cfg.data
     if getattr(cfg, "runtime", None) is None or t.total_epochs is None:
         return
@@ -228,14 +231,14 @@ def _data_lasts_one_step(cfg: Any, p: Problems) -> None:
 
 
 @check
-def _warm_start_has_work(cfg: Any, p: Problems) -> None:
+def _warm_start_has_work(cfg: JobConfig, p: Problems) -> None:
     ws = getattr(cfg, "warm_start", None)
     if ws is not None and ws.enabled is True and not (type(ws.steps) is int and ws.steps > 0):
         p.add("warm_start.steps", ws.steps, "warm_start.enabled=true needs steps > 0")
 
 
 @check
-def _local_ray_settings_need_a_local_ray(cfg: Any, p: Problems) -> None:
+def _local_ray_settings_need_a_local_ray(cfg: JobConfig, p: Problems) -> None:
     rt = getattr(cfg, "runtime", None)
     if rt is None or not rt.ray_address:
         return

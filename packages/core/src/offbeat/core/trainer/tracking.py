@@ -21,9 +21,20 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from offbeat.core.trainer.experiment_trackers import TRACKERS, ExperimentTracker, open_tracker
+from offbeat.core.config.validation import Problems, check
+from offbeat.core.trainer.experiment_trackers import (
+    TRACKERS,
+    ExperimentTracker,
+    install_hint,
+    open_tracker,
+)
+
+if TYPE_CHECKING:
+    from offbeat.core.config.run import RunConfig
+    from offbeat.core.config.schema import JobConfig
+    from offbeat.core.trainer.checkpoint import CheckpointManager
 
 logger = logging.getLogger(__name__)
 
@@ -221,6 +232,18 @@ class MetricsTracker:
         """Whether a progress bar is drawn (only on a terminal)."""
         return self._bar is not None
 
+    def finish(self, trace: str | Path | None = None) -> Path | None:
+        """The end of a run that trained to the end: its plot (None without matplotlib: the
+        results stay, the PNG is skipped), then `close` with the plot and the step
+        timeline `trace` as artifacts. Returns the plot's path."""
+        try:
+            plot = self.plot()
+        except ImportError as e:
+            logger.warning("no reward plot: %s", e)
+            plot = None
+        self.close(artifacts=[trace, plot])
+        return plot
+
     def close(self, *, artifacts: Sequence[str | Path | None] = (), failed: bool = False) -> None:
         """Close every sink; wandb and MLflow get the `artifacts` that exist (None and
         missing files are skipped) and end as failed or finished. A second call does
@@ -321,3 +344,31 @@ def _is_terminal(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed file
         return False
+
+
+def make_tracker(
+    cfg: RunConfig, run_dir: Path, checkpoints: CheckpointManager | None
+) -> MetricsTracker:
+    """The run's metrics, `trainer.loggers` into `run_dir`. A run that resumes from a
+    checkpoint continues its metrics file; any other run starts it afresh (a rerun must
+    not read as one run of twice the steps). wandb / MLflow: the run is
+    trainer.project_name / experiment_name, its config the resolved one (local model
+    path, the step count prepare left)."""
+    t = cfg.trainer
+    resuming = t.resume and checkpoints is not None and checkpoints.latest()
+    return MetricsTracker(
+        run_dir, t.loggers, total_steps=t.total_training_steps,
+        progress=cfg.runtime.progress_bar, append=bool(resuming), project=t.project_name,
+        run_name=t.experiment_name, run_config=cfg, store_dir=t.log_dir,
+    )  # fmt: skip
+
+
+@check
+def _loggers(cfg: JobConfig, p: Problems) -> None:
+    """trainer.loggers: names in `LOGGERS`, each one's extra installed (wandb, mlflow)."""
+    loggers = list(cfg.trainer.loggers)
+    if [x for x in loggers if x not in LOGGERS]:
+        p.add("trainer.loggers", loggers, f"each one of {list(LOGGERS)}")
+    for name in dict.fromkeys(x for x in loggers if x in LOGGERS):
+        if hint := install_hint(name):  # an extra that is not installed
+            p.add("trainer.loggers", loggers, hint)

@@ -30,8 +30,7 @@ import logging
 import resource
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,10 +40,10 @@ from offbeat.core.algorithms.advantages import compute_advantages
 from offbeat.core.algorithms.logprob_drift import DRIFT_MASK
 from offbeat.core.buffer import AsyncReplayBuffer, PromptGroup
 from offbeat.core.config.support import needs_critic
+from offbeat.core.config.validation import TRAINER_MODES
 from offbeat.core.data import TrajectoryBatch
 from offbeat.core.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from offbeat.core.trainer.logprob_drift import (
-    DRIFT_WARN_DEFAULT,
     DriftWarning,
     drift_mask_of,
     drift_of_old_log_probs,
@@ -55,68 +54,22 @@ from offbeat.core.trainer.tracking import MetricsTracker
 from offbeat.core.trainer.validation import Validator
 from offbeat.core.trainer.watchdog import StallWatchdog
 
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import AlgorithmConfig, JobConfig
+
 logger = logging.getLogger(__name__)
 
-MODES = ("sync", "separate_async")
-
-
-@dataclass
-class TrainerSettings:
-    """The values of the job config the loop reads (see `from_job`)."""
-
-    mode: str = "separate_async"
-    total_training_steps: int = 10
-    train_batch_size: int = 4  # prompt groups per global step
-    ppo_mini_batch_size: int = 4  # prompt groups per update
-    parameter_sync_step: int = 1
-    ppo_epochs: int = 1
-    n: int = 4
-    temperature: float = 1.0
-    adv_estimator: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    old_log_prob_source: str = "rollout"  # rollout (bypass) | trainer (decoupled PPO)
-    save_freq: int = 0  # 0: at the end only; -1: never
-    test_freq: int = 0
-    val_before_train: bool = False
-    resume: bool = False
-    pad_token_id: int = 0
-    # The stall watchdog: stop the run, naming the stalled stage, when nothing advances
-    # for this long (failed groups do not count); None or 0: off.
-    stall_timeout_s: float | None = None
-    # Warn when logprob_drift/abs_mean passes it (None: never); see trainer/logprob_drift.py.
-    logprob_drift_warn: float | None = DRIFT_WARN_DEFAULT
-
-    @classmethod
-    def from_job(cls, cfg: Any, *, pad_token_id: int = 0) -> TrainerSettings:
-        return cls(
-            mode=cfg.trainer.mode,
-            total_training_steps=cfg.trainer.total_training_steps,
-            train_batch_size=cfg.data.train_batch_size,
-            ppo_mini_batch_size=cfg.actor.ppo_mini_batch_size,
-            parameter_sync_step=cfg.async_training.parameter_sync_step,
-            ppo_epochs=cfg.actor.ppo_epochs,
-            n=cfg.rollout.n,
-            temperature=cfg.rollout.temperature or 1.0,
-            adv_estimator=cfg.algorithm.adv_estimator,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            old_log_prob_source=cfg.algorithm.old_log_prob_source,
-            save_freq=cfg.trainer.save_freq,
-            test_freq=cfg.trainer.test_freq,
-            val_before_train=cfg.trainer.val_before_train,
-            resume=cfg.trainer.resume,
-            pad_token_id=pad_token_id,
-            stall_timeout_s=cfg.trainer.stall_timeout_s or None,
-            logprob_drift_warn=cfg.trainer.logprob_drift_warn,
-        )
+MODES = TRAINER_MODES  # trainer.mode, checked by the config rules before anything starts
 
 
 def build_train_batch(
-    groups: list[PromptGroup], s: TrainerSettings
+    groups: list[PromptGroup], algorithm: AlgorithmConfig, pad_token_id: int = 0
 ) -> tuple[TrajectoryBatch, dict[str, torch.Tensor]]:
     """The padded batch of every trajectory of `groups` (group by group) and the tensor
-    dict the train engine reads, with advantages."""
+    dict the train engine reads, with `algorithm.adv_estimator`'s advantages."""
+    s = algorithm
     trajectories = [t for g in groups for t in g.trajectories]
-    batch = TrajectoryBatch.pad(trajectories, pad_token_id=s.pad_token_id)
+    batch = TrajectoryBatch.pad(trajectories, pad_token_id=pad_token_id)
     # GAE's advantages come with the critic's values (CriticAndReference.prepare fills them).
     advantages = (
         torch.zeros_like(batch.rollout_log_probs)
@@ -162,12 +115,19 @@ def _peak_rss_gb() -> float:
 
 
 class Trainer:
-    """Runs global steps until `total_training_steps`; see the module docstring."""
+    """Runs global steps until `trainer.total_training_steps`; see the module docstring.
+
+    `job`: the sections it reads are `trainer` (steps, save/test frequency, resume, the
+    stall watchdog, the drift warning), `data.train_batch_size`, `actor` (mini-batch
+    size, epochs), `async_training.parameter_sync_step`, `rollout` (n, temperature) and
+    `algorithm` (advantage estimator, old-log-prob source); `pad_token_id`: the
+    tokenizer's."""
 
     def __init__(
         self,
-        settings: TrainerSettings,
+        job: JobConfig,
         *,
+        pad_token_id: int = 0,
         engine: Any,
         buffer: AsyncReplayBuffer,
         driver: RolloutDriver,
@@ -183,9 +143,10 @@ class Trainer:
         critic_ref: Any = None,
         hybrid: Any = None,
     ) -> None:
-        if settings.mode not in MODES:
-            raise ValueError(f"trainer.mode={settings.mode!r}: expected one of {MODES}")
-        self.s = settings
+        self.job = job
+        self.pad_token_id = pad_token_id
+        # Greedy rollout (temperature 0) has no distribution to match: score at 1 then.
+        self.temperature = job.rollout.temperature or 1.0
         self.engine = engine
         self.buffer = buffer
         self.driver = driver
@@ -219,7 +180,7 @@ class Trainer:
         # HybridReplicas: validation cycles on the trainer's devices (None: no hybrids).
         self.hybrid = hybrid
         self.hybrid_metrics: list[tuple[int, dict[str, float]]] = []
-        self.drift_warning = DriftWarning(settings.logprob_drift_warn)
+        self.drift_warning = DriftWarning(job.trainer.logprob_drift_warn)
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -349,11 +310,11 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
-        s = self.s
-        if needs_critic(s.adv_estimator) and getattr(self.critic_ref, "critic", None) is None:
+        s, estimator = self.job.trainer, self.job.algorithm.adv_estimator
+        if needs_critic(estimator) and getattr(self.critic_ref, "critic", None) is None:
             raise ValueError(
-                f"adv_estimator={s.adv_estimator!r} needs a critic: pass critic_ref="
-                "CriticAndReference.from_job(cfg) (offbeat.core.trainer.ppo)"
+                f"adv_estimator={estimator!r} needs a critic: pass critic_ref="
+                "CriticAndReference.build(...) (offbeat.core.trainer.ppo)"
             )
         start = 1
         if s.resume and self.checkpoints is not None and (path := self.checkpoints.latest()):
@@ -410,7 +371,7 @@ class Trainer:
         }
 
     async def _wait_for_batch(self, step: int) -> tuple[list[PromptGroup], list[PromptGroup]]:
-        waiter = asyncio.ensure_future(self.buffer.sample(self.s.train_batch_size))
+        waiter = asyncio.ensure_future(self.buffer.sample(self.job.data.train_batch_size))
         fatal = asyncio.ensure_future(self.driver.wait_fatal())
         try:
             while True:  # a rollout that stops advancing: the stall watchdog's (run())
@@ -429,7 +390,9 @@ class Trainer:
                 waiter.cancel()
 
     async def _global_step(self, step: int) -> dict[str, float]:
-        s = self.s
+        job = self.job
+        a, al, t = job.actor, job.algorithm, job.trainer
+        n, sync_step = job.rollout.n, job.async_training.parameter_sync_step
         t_step = time.perf_counter()
         busy0 = self.driver.clock.read()
         tokens0 = self.driver.tokens_generated
@@ -438,7 +401,7 @@ class Trainer:
         self.engine.begin_step(step)  # the group's errors name the step
 
         t0 = time.perf_counter()
-        waiting = f"waiting for a batch of {s.train_batch_size} prompt groups"
+        waiting = f"waiting for a batch of {job.data.train_batch_size} prompt groups"
         with trace.span("generate_wait"), progress.phase(f"step {step}: {waiting}"):
             groups, evicted = await self._wait_for_batch(step)
         wait_s = time.perf_counter() - t0
@@ -449,43 +412,43 @@ class Trainer:
             # The validation under way lost every replica: only a replacement can finish
             # it, and one is admitted at this version only while the weights still are.
             await self._finish_validation()
-        batch, data = await asyncio.to_thread(build_train_batch, groups, s)
+        batch, data = await asyncio.to_thread(build_train_batch, groups, al, self.pad_token_id)
         hook_metrics: dict[str, float] = {}
         if self.batch_hook is not None:
             hook_metrics = await asyncio.to_thread(self.batch_hook, batch, data)
         t0 = time.perf_counter()
-        if s.old_log_prob_source == "trainer":
+        if al.old_log_prob_source == "trainer":
             # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
             with trace.span("old_log_prob"), progress.working("old_log_prob", None, f"step {step}"):
-                data["old_log_probs"] = await self.engine.compute_log_probs(data, s.temperature)
+                data["old_log_probs"] = await self.engine.compute_log_probs(data, self.temperature)
         old_lp_s = time.perf_counter() - t0
         # Log-prob drift against the rollout's, on the trajectories sampled at the weights
         # the trainer holds now (offbeat.core.trainer.logprob_drift).
         drift_mask: torch.Tensor | None = drift_mask_of(batch, self.version)
         drift: dict[str, float] = {}
-        if s.old_log_prob_source == "trainer":
+        if al.old_log_prob_source == "trainer":
             drift, drift_mask = drift_of_old_log_probs(data, drift_mask), None
         extra: dict[str, float] = {}
         if self.critic_ref is not None:  # ref log-probs, KL in the reward, values, GAE
             extra = await self.critic_ref.prepare(data, batch.rewards, batch.group_uids)
 
         t0 = time.perf_counter()
-        rows_per_mb = s.ppo_mini_batch_size * s.n
+        rows_per_mb = a.ppo_mini_batch_size * n
         update_metrics: list[dict[str, float]] = []
         # The hybrid replicas' own word on whether they sleep, asked while the trainer
         # trains on their devices.
         asleep = self._hybrid_levels()
         with trace.span("train"):
-            for epoch in range(s.ppo_epochs):
-                for k in range(s.parameter_sync_step):
+            for epoch in range(a.ppo_epochs):
+                for k in range(sync_step):
                     mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
                     if drift_mask is not None and epoch == k == 0:  # before any optimizer step
                         mb[DRIFT_MASK] = drift_mask[:rows_per_mb]
-                    where = f"step {step}, mini-batch {k + 1}/{s.parameter_sync_step}"
+                    where = f"step {step}, mini-batch {k + 1}/{sync_step}"
                     with (
                         trace.span("mini-batch", index=k, epoch=epoch),
                         progress.working(
-                            "update", None, f"{where}, epoch {epoch + 1}/{s.ppo_epochs}"
+                            "update", None, f"{where}, epoch {epoch + 1}/{a.ppo_epochs}"
                         ),
                     ):
                         update_metrics.append(await self.engine.update(mb))
@@ -494,7 +457,7 @@ class Trainer:
             extra["hybrid/asleep_level"] = float(min(levels.values()))
         if self.critic_ref is not None:
             extra.update(
-                await self.critic_ref.update_critic(data, rows_per_mb, s.parameter_sync_step)
+                await self.critic_ref.update_critic(data, rows_per_mb, sync_step)
             )
 
         # The last validation must see only its own version: finish it before syncing.
@@ -507,7 +470,7 @@ class Trainer:
         sync_s = time.perf_counter() - t0
         self.version = version
         self.sync_results.append(result)
-        if (s.test_freq > 0 and step % s.test_freq == 0) or step == s.total_training_steps:
+        if (t.test_freq > 0 and step % t.test_freq == 0) or step == t.total_training_steps:
             await self._validate()
 
         step_s = time.perf_counter() - t_step

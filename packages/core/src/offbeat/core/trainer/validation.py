@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core import progress
 from offbeat.core.trainer.agent_loop import GroupFailed, SingleTurnAgentLoop
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import DataConfig, TrainerConfig
 
 
 class Validator:
@@ -39,15 +42,19 @@ class Validator:
         self.baselines = dict(baselines or {})
 
     @classmethod
-    def from_job(
-        cls, cfg: Any, agent: SingleTurnAgentLoop, rows: Sequence[Mapping[str, Any]]
+    def build(
+        cls,
+        trainer: TrainerConfig,
+        data: DataConfig,
+        agent: SingleTurnAgentLoop,
+        rows: Sequence[Mapping[str, Any]],
     ) -> Validator | None:
         """The job's validator (`data.val_batch_size` prompts in flight at once), or None
-        when there are no rows or the job never validates."""
-        t = cfg.trainer
-        if not rows or not (t.test_freq > 0 or t.val_before_train):
+        when there are no rows or the job never validates (`trainer.test_freq`,
+        `trainer.val_before_train`)."""
+        if not rows or not (trainer.test_freq > 0 or trainer.val_before_train):
             return None
-        return cls(agent, rows, max_concurrency=cfg.data.val_batch_size)
+        return cls(agent, rows, max_concurrency=data.val_batch_size)
 
     async def run(self, tag: str = "val") -> dict[str, float]:
         sem = asyncio.Semaphore(self.max_concurrency)

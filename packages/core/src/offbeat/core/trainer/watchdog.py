@@ -232,12 +232,12 @@ class StallWatchdog:
 
     @classmethod
     def for_trainer(cls, trainer: Any) -> StallWatchdog:
-        """The watchdog of `trainer` (a `Trainer`): `trainer.s.stall_timeout_s`, the stack
+        """The watchdog of `trainer` (a `Trainer`): `trainer.stall_timeout_s`, the stack
         dump in the run's log directory (`<tracker's dir>/logs`)."""
         log_dir = getattr(trainer.tracker, "log_dir", None) or Path(".")
         pool = trainer.pool
         return cls(
-            trainer.s.stall_timeout_s,
+            trainer.job.trainer.stall_timeout_s or None,
             dump_dir=Path(log_dir) / "logs",
             context=lambda: trainer_context(trainer),
             replicas=lambda: [*pool.servers, *pool.guests],
