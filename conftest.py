@@ -239,7 +239,14 @@ def _prebuilt(request):
     """`@pytest.mark.prebuilt("judge", ...)`: the test waits for those background builds."""
     marker = request.node.get_closest_marker("prebuilt")
     if marker is not None:
-        wait_for_prebuild(marker.args)
+        for target, result in wait_for_prebuild(marker.args).items():
+            if result != "0" and (_prebuild_dir() / f"{target}.pid").exists():
+                # The test builds it itself, in its call: say so (the slow-call report
+                # shows it), with the end of the background build's log.
+                log = _prebuild_dir() / f"{target}.log"
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                state = "failed" if result == "1" else "did not finish"
+                print(f"prebuild {target} {state}; this test builds it.\n{tail}")
 
 
 @pytest.fixture(autouse=True)

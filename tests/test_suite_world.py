@@ -50,6 +50,10 @@ def test_prints_then_runs_long():
 
 def test_prints_and_is_quick():
     print("PROBE-QUICK-CALL-OUTPUT")
+
+@pytest.mark.prebuilt("tools")
+def test_prints_after_a_failed_build():
+    pass  # its setup waits for the build and says it failed
 """
 
 
@@ -86,7 +90,7 @@ def test_the_fast_tier_deselects_marked_tests_and_refuses_ray(tmp_path):
     pytest.importorskip("ray")
     out = child_pytest(tmp_path, "--fast", "-k", "not hangs and not prints", "-rA")
     text = out.stdout + out.stderr
-    assert "5 deselected" in text, text[-3000:]  # -k's three and the tier's two
+    assert "6 deselected" in text, text[-3000:]  # -k's four and the tier's two
     assert "test_marked_e2e" not in text  # never run, so never reported under -rA
     assert "starts Ray in the fast tier: mark it @pytest.mark.ray" in text
     assert "1 failed, 1 passed" in text
@@ -105,6 +109,25 @@ def test_a_passing_call_over_the_slow_limit_shows_its_output_in_the_summary(tmp_
     off = child_pytest(tmp_path, "-k", "prints_then_runs_long", capture=True,
                        OFFBEAT_SLOW_CALL_S="0")  # fmt: skip
     assert "slow call" not in off.stdout and "PROBE-LONG-CALL-OUTPUT" not in off.stdout
+
+
+def test_a_background_build_that_failed_is_reported_with_its_log(tmp_path):
+    """The test then builds the target itself, in its call: the setup says so, with the
+    end of the build's log (before, a slow call showed nothing of it)."""
+    cache = tmp_path / "cache"
+    (cache / "prebuild").mkdir(parents=True)  # made already: this session starts no builds
+    (cache / "prebuild" / "tools.pid").write_text("999999999\n")  # long gone
+    (cache / "prebuild" / "tools.done").write_text("1\n")
+    (cache / "prebuild" / "tools.log").write_text("Traceback ...\nPROBE-BUILD-BOOM\n")
+    (tmp_path / "tests").mkdir()
+    shutil.copy(ROOT / "tests" / "prebuild.py", tmp_path / "tests" / "prebuild.py")
+    out = child_pytest(
+        tmp_path, "-k", "failed_build", "-rA", capture=True, OFFBEAT_TEST_CACHE=str(cache)
+    )
+    text = out.stdout + out.stderr
+    assert "1 passed" in text, text[-3000:]
+    assert "prebuild tools failed; this test builds it." in text
+    assert "PROBE-BUILD-BOOM" in text
 
 
 def test_the_cache_is_the_sessions_own_never_the_users(tmp_path):
