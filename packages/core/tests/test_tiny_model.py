@@ -130,3 +130,25 @@ def test_transformers_loads_and_generates(tiny_dir):
     assert len(new) == 16
     # initializer_range=0.3 keeps greedy decoding from collapsing onto one repeated token.
     assert len(set(new)) > 4
+
+
+def test_an_identical_build_renamed_in_meanwhile_is_kept_not_swapped_out(tmp_path):
+    """Two builders race for one directory: the second to finish keeps the first's (same
+    marker), so `out` never goes missing under a reader and its files are not deleted."""
+    from offbeat.core.models.tiny import atomic_build
+
+    out = tmp_path / "m"
+    with atomic_build(out, "MARK") as tmp:
+        # while we build, another builder renames the identical build into place
+        out.mkdir()
+        (out / "MARK").write_text("same\n")
+        (out / "weights").write_text("theirs\n")
+        (tmp / "MARK").write_text("same\n")
+        (tmp / "weights").write_text("ours\n")
+        inode = out.stat().st_ino
+    assert out.stat().st_ino == inode and (out / "weights").read_text() == "theirs\n"
+    assert not any(p.name.startswith(".m.") for p in tmp_path.iterdir())  # ours removed
+    # a different build (another spec's marker) still replaces it
+    with atomic_build(out, "MARK") as tmp:
+        (tmp / "MARK").write_text("other\n")
+    assert (out / "MARK").read_text() == "other\n"

@@ -85,7 +85,13 @@ def atomic_build(out: Path, marker: str) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         yield tmp
-        if out.exists():  # only an older build of ours reaches here (the callers check)
+        theirs, ours = out / marker, tmp / marker
+        if theirs.is_file() and ours.is_file() and theirs.read_bytes() == ours.read_bytes():
+            # Someone else renamed the identical build into place while we built: keep
+            # theirs. Swapping it out would leave a moment with nothing at `out` (a
+            # concurrent builder loading it failed there) and delete files in use.
+            return
+        if out.exists():  # an older build (another spec): replaced
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
             os.replace(out, old / "d")
             shutil.rmtree(old, ignore_errors=True)
