@@ -311,7 +311,8 @@ class RaySession:
         import ray
 
         if not ray.is_initialized():
-            from offbeat.core.trainer.job import RuntimeConfig, init_ray
+            from offbeat.core.runtime.config import RuntimeConfig
+            from offbeat.core.runtime.host import init_ray
 
             init_ray(RuntimeConfig(ray_num_cpus=SESSION_RAY_CPUS))
         return ray
@@ -322,7 +323,8 @@ class RaySession:
         the next `up()` starts the session's again."""
         import ray
 
-        from offbeat.core.trainer.job import RuntimeConfig, init_ray
+        from offbeat.core.runtime.config import RuntimeConfig
+        from offbeat.core.runtime.host import init_ray
 
         if ray.is_initialized():
             ray.shutdown()

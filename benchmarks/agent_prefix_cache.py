@@ -67,8 +67,8 @@ async def main(args: argparse.Namespace) -> None:
 
     from offbeat.core.agent import TOOL_PARSERS
     from offbeat.core.cpus import machine_cpus, pin_process
+    from offbeat.core.models.resolve import resolve_model
     from offbeat.core.tasks import make_rows
-    from offbeat.core.trainer.job import resolve_model
     from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig
 
     TOOL_PARSERS.register("always_calls", AlwaysCalls, override=True)

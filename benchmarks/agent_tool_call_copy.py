@@ -54,7 +54,7 @@ def main() -> None:
 
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.tasks import read_parquet
-    from offbeat.core.trainer.job import resolve_data
+    from offbeat.core.trainer.prepare import resolve_data
 
     module, cfg = load_recipe_config("separate_async_tools", args.overrides)
     cache = Path.home() / ".cache" / "offbeat"

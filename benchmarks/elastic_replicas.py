@@ -65,7 +65,8 @@ async def main(args: argparse.Namespace, tmp: Path) -> None:
     from elastic_rig import overrides, replace_and_time, start_rig
 
     from offbeat.core.cli import load_recipe_config
-    from offbeat.core.trainer.job import ReplicaMemory, init_ray
+    from offbeat.core.runtime.host import init_ray
+    from offbeat.core.trainer.memory import ReplicaMemory
 
     rig_defaults = [o for o in overrides(tmp) if not o.startswith(UNPINNED)]
     _, cfg = load_recipe_config(

@@ -85,7 +85,7 @@ def main() -> None:
     import torch
 
     from offbeat.core.cli import load_recipe_config
-    from offbeat.core.trainer.job import prepare
+    from offbeat.core.trainer.prepare import prepare
     from offbeat.rollout_vllm.replica import engine_kwargs_of, register
 
     register()  # also where the packages are on PYTHONPATH only (no entry points)

@@ -118,16 +118,13 @@ class JobLoad:
         from offbeat.ckpt_engine import CheckpointEngineManager
         from offbeat.core.rewards import RewardRegistry
         from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
+        from offbeat.core.runtime.host import init_ray, pin_trainer
         from offbeat.core.tasks import read_parquet
         from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
-        from offbeat.core.trainer.job import (
-            base_sampling,
-            init_ray,
-            pin_trainer,
-            prepare,
-            start_replicas,
-        )
+        from offbeat.core.trainer.elastic import start_replicas
+        from offbeat.core.trainer.prepare import prepare
         from offbeat.core.trainer.replicas import ReplicaPool
+        from offbeat.core.trainer.rollout_side import base_sampling
 
         cfg, rt = self.cfg, self.cfg.runtime
         t0 = time.perf_counter()
@@ -197,7 +194,7 @@ class JobLoad:
         return list(await asyncio.gather(*(s.status() for s in self.servers.values())))
 
     async def __aexit__(self, *exc: Any) -> None:
-        from offbeat.core.trainer.job import shutdown_replicas
+        from offbeat.core.trainer.elastic import shutdown_replicas
 
         await self.stop_rollout()
         self.manager.close()

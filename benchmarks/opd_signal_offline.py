@@ -54,10 +54,10 @@ def main() -> None:
 
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.distill.build import build_teacher, write_mixed_task_files
+    from offbeat.core.models.resolve import resolve_model
     from offbeat.core.rewards.scorers import char_match, math_answer
     from offbeat.core.tasks import read_parquet
     from offbeat.core.trainer.agent_loop import encode_prompt
-    from offbeat.core.trainer.job import resolve_model
     from offbeat.core.trainer.warm_start import warm_start
 
     overrides = [

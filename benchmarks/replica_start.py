@@ -28,7 +28,9 @@ def main() -> None:
     import ray
 
     from offbeat.core.cli import load_recipe_config
-    from offbeat.core.trainer.job import init_ray, prepare, start_replicas
+    from offbeat.core.runtime.host import init_ray
+    from offbeat.core.trainer.elastic import start_replicas
+    from offbeat.core.trainer.prepare import prepare
     from offbeat.rollout_vllm.replica import PRESTART_ENV
 
     _, cfg = load_recipe_config("separate_async", ["runtime.progress_bar=false"])

@@ -193,11 +193,13 @@ async def main(args: argparse.Namespace) -> None:
     from offbeat.balancer.aio import AsyncLoadBalancer
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.cpus import machine_cpus, pin_process
+    from offbeat.core.models.resolve import resolve_model
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.rollout.replica_spec import ReplicaSpec
+    from offbeat.core.runtime.host import init_ray, pin_trainer
     from offbeat.core.tasks import make_rows
     from offbeat.core.trainer.agent_loop import encode_prompt
-    from offbeat.core.trainer.job import base_sampling, init_ray, pin_trainer, resolve_model
+    from offbeat.core.trainer.rollout_side import base_sampling
     from offbeat.rollout_vllm.actor import RemoteRolloutServer
     from offbeat.rollout_vllm.replica import engine_kwargs_of, replica_cpus, vllm_replica
     from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig

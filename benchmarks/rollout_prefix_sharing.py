@@ -26,7 +26,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 async def main(args: argparse.Namespace) -> None:
     from offbeat.core.cli import load_recipe_config
-    from offbeat.core.trainer.job import resolve_model
+    from offbeat.core.models.resolve import resolve_model
     from offbeat.rollout_vllm.replica import engine_kwargs_of
     from offbeat.rollout_vllm.server import VLLMRolloutServer, VLLMServerConfig
 

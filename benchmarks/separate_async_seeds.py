@@ -41,7 +41,7 @@ def prebuild(overrides: list[str]) -> float:
     code = (
         "import sys\n"
         "from offbeat.core.cli import load_recipe_config\n"
-        "from offbeat.core.trainer.job import prepare\n"
+        "from offbeat.core.trainer.prepare import prepare\n"
         "_, cfg = load_recipe_config('separate_async', sys.argv[1:])\n"
         "print(prepare(cfg).setup_s)\n"
     )

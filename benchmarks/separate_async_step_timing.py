@@ -41,14 +41,10 @@ async def run_path(path: str, args: argparse.Namespace, tmp: Path) -> dict:
     from job_common import OLD_PATH_OVERRIDES, loadavg, old_server_config
 
     from offbeat.core.cli import load_recipe_config
-    from offbeat.core.trainer.job import (
-        init_ray,
-        pin_trainer,
-        prepare,
-        run_with_replicas,
-        shutdown_replicas,
-        start_replicas,
-    )
+    from offbeat.core.runtime.host import init_ray, pin_trainer
+    from offbeat.core.trainer.elastic import shutdown_replicas, start_replicas
+    from offbeat.core.trainer.job import run_with_replicas
+    from offbeat.core.trainer.prepare import prepare
 
     overrides = [
         f"trainer.total_training_steps={args.steps}",

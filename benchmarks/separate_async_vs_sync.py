@@ -116,12 +116,9 @@ PLACEMENTS = {
 def run_placement(name: str, tmp: Path, args: argparse.Namespace) -> list[dict]:
     from offbeat.core.cli import load_recipe_config
     from offbeat.core.cpus import machine_cpus, pin_process
-    from offbeat.core.trainer.job import (
-        prepare,
-        run_with_replicas,
-        shutdown_replicas,
-        start_replicas,
-    )
+    from offbeat.core.trainer.elastic import shutdown_replicas, start_replicas
+    from offbeat.core.trainer.job import run_with_replicas
+    from offbeat.core.trainer.prepare import prepare
 
     name_ = name
     extra = [*PLACEMENTS[name], *args.overrides]
@@ -176,8 +173,8 @@ def main() -> None:
         ap.error(f"--placements: unknown {unknown}; valid: {sorted(PLACEMENTS)}")
 
     from offbeat.core.cli import load_recipe_config
+    from offbeat.core.runtime.host import init_ray
     from offbeat.core.tasks import make_rows, write_parquet
-    from offbeat.core.trainer.job import init_ray
 
     tmp = Path(tempfile.mkdtemp(prefix="offbeat-bench-"))
     rows = long_tailed_rows(512, 0, args.median, args.sigma, 96)

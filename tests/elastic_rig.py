@@ -92,12 +92,14 @@ async def start_rig(cfg: Any) -> Rig:
     from transformers import AutoTokenizer
 
     from offbeat.balancer.aio import AsyncLoadBalancer
+    from offbeat.core.rewards import reward_registry
     from offbeat.core.rollout import PartialRolloutClient, PartialRolloutConfig
     from offbeat.core.runtime import start_pools, start_trainer
     from offbeat.core.tasks import read_parquet
     from offbeat.core.trainer import HybridReplicas, ReplicaPool, SingleTurnAgentLoop, Validator
-    from offbeat.core.trainer.elastic import replacement_for, start_hybrid_replicas
-    from offbeat.core.trainer.job import base_sampling, prepare, reward_registry, start_replicas
+    from offbeat.core.trainer.elastic import replacement_for, start_hybrid_replicas, start_replicas
+    from offbeat.core.trainer.prepare import prepare
+    from offbeat.core.trainer.rollout_side import base_sampling
 
     p = await asyncio.to_thread(prepare, cfg)
     cfg, rt = p.cfg, p.cfg.runtime
@@ -119,7 +121,7 @@ async def start_rig(cfg: Any) -> Rig:
         servers, balancer, side.manager, replacement=replacement_for(p, pools, servers)
     )
     agent = SingleTurnAgentLoop(
-        client, tokenizer, reward_registry(cfg), base_sampling(cfg),
+        client, tokenizer, reward_registry(cfg.reward), base_sampling(cfg),
         prompt_key=cfg.data.prompt_key, on_engine_error=pool.on_engine_error,
     )  # fmt: skip
     rows = [r for f in p.val_files for r in read_parquet(f)]

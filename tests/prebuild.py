@@ -31,7 +31,7 @@ def build(target: str) -> None:
     from offbeat.core.distill.build import build_teachers, write_mixed_task_files
     from offbeat.core.models import cache_root
     from offbeat.core.rewards.genrm_job import prepare_genrm
-    from offbeat.core.trainer.job import prepare
+    from offbeat.core.trainer.prepare import prepare
 
     cache = cache_root()
     if target == "judge":

@@ -21,7 +21,7 @@ def _files(root: Path) -> dict[str, int]:
 
 def test_default_job_prepares_from_an_empty_cache_then_reuses_it(tmp_path, monkeypatch):
     from offbeat.core.cli import load_recipe_config
-    from offbeat.core.trainer.job import prepare
+    from offbeat.core.trainer.prepare import prepare
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("OFFBEAT_CACHE_DIR", str(cache))

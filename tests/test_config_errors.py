@@ -438,7 +438,7 @@ def test_one_gpu_shared_by_the_trainer_and_the_replica(monkeypatch):
     driver, is refused."""
     import torch
 
-    from offbeat.core.trainer.job import split_gpus
+    from offbeat.core.runtime.host import split_gpus
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -470,8 +470,8 @@ def test_one_gpu_holds_the_trainer_rank_its_hybrid_replica_and_the_replica(monke
     import torch
 
     from offbeat.core.runtime import pool_specs, trainer_in_driver
+    from offbeat.core.runtime.host import split_gpus
     from offbeat.core.runtime.launch import _rank_options, hybrid_options, replica_options
-    from offbeat.core.trainer.job import split_gpus
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

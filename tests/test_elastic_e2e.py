@@ -23,7 +23,7 @@ from elastic_rig import kill_when_serving, overrides, replace_and_time, start_ri
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.trainer import CYCLE_PHASES  # noqa: E402
-from offbeat.core.trainer.job import ReplicaMemory  # noqa: E402
+from offbeat.core.trainer.memory import ReplicaMemory  # noqa: E402
 
 
 @pytest.fixture(scope="module")

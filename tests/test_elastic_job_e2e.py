@@ -29,8 +29,13 @@ async def run_with_faults(cfg) -> tuple[dict, list[str]]:
     import ray
 
     from offbeat.core.runtime import start_pools, start_trainer
-    from offbeat.core.trainer.elastic import shutdown_replicas, start_hybrid_replicas
-    from offbeat.core.trainer.job import prepare, run_with_replicas, start_replicas
+    from offbeat.core.trainer.elastic import (
+        shutdown_replicas,
+        start_hybrid_replicas,
+        start_replicas,
+    )
+    from offbeat.core.trainer.job import run_with_replicas
+    from offbeat.core.trainer.prepare import prepare
 
     p = await asyncio.to_thread(prepare, cfg)
     pools = await start_pools(p.cfg)

@@ -1,6 +1,6 @@
 """The one engine contract: every registered rollout-engine factory is started exactly as the
 job starts it, through the job's own functions: the rollout pool's replicas
-(`job.start_replicas`), hybrid replicas in the trainer pool (`elastic.start_hybrid_replicas`,
+(`elastic.start_replicas`), hybrid replicas in the trainer pool (`elastic.start_hybrid_replicas`,
 awaited until they answer and put to sleep) and a replacement for a dead replica
 (`elastic.replacement_for`). Each factory takes a `ReplicaSpec` and starts core's shared
 replica actor; `ray.remote` is recorded, not run, so what each factory hands to Ray is
@@ -127,8 +127,7 @@ def server_id(start: dict) -> str:
 
 @pytest.mark.parametrize("engine", ENGINES)
 async def test_every_engine_factory_starts_as_the_job_starts_it(monkeypatch, engine):
-    from offbeat.core.trainer.elastic import replacement_for, start_hybrid_replicas
-    from offbeat.core.trainer.job import start_replicas
+    from offbeat.core.trainer.elastic import replacement_for, start_hybrid_replicas, start_replicas
 
     starts = recorded(monkeypatch)
     cfg, pools = job(engine), FakePools()

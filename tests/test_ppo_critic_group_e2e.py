@@ -29,12 +29,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.runtime import GroupCriticEngine, GroupReferenceEngine  # noqa: E402
-from offbeat.core.trainer.job import (  # noqa: E402
-    prepare,
-    run_with_replicas,
-    shutdown_replicas,
-    start_replicas,
-)
+from offbeat.core.trainer.elastic import shutdown_replicas, start_replicas  # noqa: E402
+from offbeat.core.trainer.job import run_with_replicas  # noqa: E402
+from offbeat.core.trainer.prepare import prepare  # noqa: E402
 
 STEPS = 3
 

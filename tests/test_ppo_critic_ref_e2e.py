@@ -29,12 +29,9 @@ from calibrated import CALIBRATED_WARM_START  # noqa: E402
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.trainer import CheckpointManager, CriticAndReference  # noqa: E402
-from offbeat.core.trainer.job import (  # noqa: E402
-    prepare,
-    run_with_replicas,
-    shutdown_replicas,
-    start_replicas,
-)
+from offbeat.core.trainer.elastic import shutdown_replicas, start_replicas  # noqa: E402
+from offbeat.core.trainer.job import run_with_replicas  # noqa: E402
+from offbeat.core.trainer.prepare import prepare  # noqa: E402
 
 RUN_STEPS = 10
 RESUMED_STEPS = 12

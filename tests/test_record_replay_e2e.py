@@ -22,12 +22,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from offbeat.core.cli import load_recipe_config  # noqa: E402
 from offbeat.core.rollout.recording import read_manifest  # noqa: E402
 from offbeat.core.tasks import make_rows, write_parquet  # noqa: E402
-from offbeat.core.trainer.job import (  # noqa: E402
-    prepare,
-    run_with_replicas,
-    shutdown_replicas,
-    start_replicas,
-)
+from offbeat.core.trainer.elastic import shutdown_replicas, start_replicas  # noqa: E402
+from offbeat.core.trainer.job import run_with_replicas  # noqa: E402
+from offbeat.core.trainer.prepare import prepare  # noqa: E402
 
 
 def config(tmp: Path, name: str, *extra: str):

@@ -30,15 +30,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from calibrated import CALIBRATED_WARM_START  # noqa: E402
 
 from offbeat.core.cli import load_recipe_config  # noqa: E402
+from offbeat.core.runtime.host import listening_addresses  # noqa: E402
 from offbeat.core.tasks import PromptDataLoader, make_rows, write_parquet  # noqa: E402
 from offbeat.core.trainer import CheckpointManager  # noqa: E402
-from offbeat.core.trainer.job import (  # noqa: E402
-    listening_addresses,
-    prepare,
-    run_with_replicas,
-    shutdown_replicas,
-    start_replicas,
-)
+from offbeat.core.trainer.elastic import shutdown_replicas, start_replicas  # noqa: E402
+from offbeat.core.trainer.job import run_with_replicas  # noqa: E402
+from offbeat.core.trainer.prepare import prepare  # noqa: E402
 
 THRESHOLD = 2
 

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from offbeat.core.trainer.job import RunConfig, resolve_data, resolve_model, run_job
+from offbeat.core.config.run import RunConfig
+from offbeat.core.models.resolve import resolve_model
+from offbeat.core.trainer.job import run_job
+from offbeat.core.trainer.prepare import resolve_data
 from offbeat.core.trainer.restart import run_with_restarts
 from offbeat.core.trainer.warm_start import WarmStartConfig
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from offbeat.core.trainer.job import RunConfig, run_job
+from offbeat.core.config.run import RunConfig
+from offbeat.core.trainer.job import run_job
 from offbeat.core.trainer.report import print_report
 from offbeat.core.trainer.restart import run_with_restarts
 

@@ -15,11 +15,12 @@ import torch
 
 from offbeat.core.cli import load_recipe_config
 from offbeat.core.models import build_tiny_model
+from offbeat.core.runtime.host import split_gpus
 from offbeat.core.tasks import make_rows, write_parquet
 from offbeat.core.tasks.dataloader import steps_within_epochs
 from offbeat.core.train import actor_engine_config
 from offbeat.core.trainer import Validator
-from offbeat.core.trainer.job import prepare, run_header, split_gpus, wants_warm_start
+from offbeat.core.trainer.prepare import prepare, run_header, wants_warm_start
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,10 @@ from offbeat.core.cli import load_recipe_config
 from offbeat.core.registry import REWARD_EXTENSIONS
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerSide
 from offbeat.core.tasks import make_rows, write_parquet
+from offbeat.core.trainer import elastic, job
 from offbeat.core.trainer import extension as ext
-from offbeat.core.trainer import job
 from offbeat.core.trainer.extension import JobExtension
+from offbeat.core.trainer.prepare import Prepared
 
 TRAINER = Path(job.__file__).parent
 
@@ -124,17 +125,17 @@ def faked_job(tmp_path, monkeypatch):
 
     group = TrainerGroup.around(FakeEngine())  # the trainer in the driver
     side = TrainerSide(group, GroupCheckpointEngine(group, "naive", phase_timeout_s=10))
-    prepared = job.Prepared(cfg, tmp_path, [str(train)], [str(val)], 0.0)
-    for name, value in {
-        "init_ray": lambda *a, **k: None, "announce_logs": lambda cfg: None,
-        "pin_trainer": lambda rt: None, "split_gpus": lambda cfg: None,
-        "prepare": lambda cfg: prepared, "start_pools": start_pools,
-        "hybrid_replicas": lambda cfg: False, "shutdown_replicas": shutdown,
-        "start_replicas": lambda p, pools=None: {"rollout-0": FakeServer("rollout-0")},
-        "start_trainer": lambda cfg, pools: asyncio.sleep(0, side),
-        "start_trainer_side": lambda cfg, pools: asyncio.sleep(0, (side, pools, None)),
-    }.items():  # fmt: skip
-        monkeypatch.setattr(job, name, value)
+    prepared = Prepared(cfg, tmp_path, [str(train)], [str(val)], 0.0)
+    for module, name, value in [
+        (job, "init_ray", lambda *a, **k: None), (job, "announce_logs", lambda cfg: None),
+        (job, "pin_trainer", lambda rt: None), (job, "split_gpus", lambda cfg: None),
+        (job, "prepare", lambda cfg: prepared), (job, "start_pools", start_pools),
+        (job, "start_trainer_side", lambda cfg, pools: asyncio.sleep(0, (side, pools, None))),
+        (elastic, "hybrid_replicas", lambda cfg: False), (elastic, "shutdown_replicas", shutdown),
+        (elastic, "start_replicas", lambda p, pools=None: {"rollout-0": FakeServer("rollout-0")}),
+        (elastic, "start_trainer", lambda cfg, pools: asyncio.sleep(0, side)),
+    ]:  # fmt: skip
+        monkeypatch.setattr(module, name, value)
     monkeypatch.setattr("offbeat.core.trainer.elastic.shutdown_replicas", shutdown)
     monkeypatch.setattr("offbeat.core.data.vision.load_processor", lambda *a: None)
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained", lambda *a, **k: Tokenizer())

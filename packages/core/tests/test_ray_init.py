@@ -1,4 +1,4 @@
-"""How a job starts Ray (`offbeat.core.trainer.job.init_ray`): the private Ray names it
+"""How a job starts Ray (`offbeat.core.runtime.host.init_ray`): the private Ray names it
 patches still exist and still do what it patches them for; a local Ray stays on loopback
 with no dashboard UI and no usage stats.
 
@@ -18,7 +18,8 @@ import ray
 from ray._private import ray_constants, services
 from ray._private import worker as ray_worker
 
-from offbeat.core.trainer.job import RuntimeConfig, init_ray
+from offbeat.core.runtime.config import RuntimeConfig
+from offbeat.core.runtime.host import init_ray
 
 _ENV = (
     "RAY_ENABLE_UV_RUN_RUNTIME_ENV",
@@ -28,7 +29,7 @@ _ENV = (
     "RAY_COLOR_PREFIX",
 )
 UPGRADE = (
-    f"ray {ray.__version__}: offbeat.core.trainer.job.init_ray relies on this private Ray "
+    f"ray {ray.__version__}: offbeat.core.runtime.host.init_ray relies on this private Ray "
     "name; a Ray upgrade removed or moved it, so update init_ray (and this test) for it"
 )
 

@@ -11,8 +11,8 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from offbeat.core.config import ConfigError, validate
+from offbeat.core.config.run import RunConfig
 from offbeat.core.runtime import TrainerRankFailed
-from offbeat.core.trainer.job import RunConfig
 from offbeat.core.trainer.report import print_report
 from offbeat.core.trainer.restart import max_restarts, restart_cause, run_with_restarts
 from offbeat.core.trainer.watchdog import StallError

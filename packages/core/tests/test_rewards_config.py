@@ -15,11 +15,10 @@ import pytest
 
 from offbeat.core.config import ConfigError, JobConfig, RewardConfig, validate
 from offbeat.core.config.validation import _CHECKS
-from offbeat.core.rewards import checks
+from offbeat.core.rewards import checks, reward_registry
 from offbeat.core.rollout import TokenOutput
 from offbeat.core.tasks import read_parquet, reward_fields, row_messages, write_parquet
 from offbeat.core.trainer.agent_loop import SingleTurnAgentLoop
-from offbeat.core.trainer.job import reward_registry
 
 EXAMPLE = Path(__file__).parents[3] / "recipes" / "separate_async" / "data"
 
@@ -126,7 +125,9 @@ def test_user_function_from_the_config_scores_verl_rows(user_module, tmp_path):
             ids = list(next(self.answers).encode())
             return TokenOutput(ids, [-0.1] * len(ids), "stop", 0)
 
-    agent = SingleTurnAgentLoop(Client(), Tokenizer(), reward_registry(cfg), {"max_tokens": 4})
+    agent = SingleTurnAgentLoop(
+        Client(), Tokenizer(), reward_registry(cfg.reward), {"max_tokens": 4}
+    )
     row = verl_row("my_source", "42", weight=0.5)
     trajectories = asyncio.run(agent.sample("g0", row, 2))
     assert [t.reward for t in trajectories] == [0.5, 0.0]

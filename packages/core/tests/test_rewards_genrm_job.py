@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from offbeat.core.config import JobConfig, RewardConfig
+from offbeat.core.config.run import RunConfig
 from offbeat.core.rewards import RewardError, RewardRegistry, genrm
 from offbeat.core.rewards.genrm import GenRMConfig, GenRMJudge, parse_score
 from offbeat.core.rewards.genrm_replicas import (
@@ -19,7 +20,6 @@ from offbeat.core.rewards.genrm_replicas import (
     start_judges,
     validation_agent,
 )
-from offbeat.core.trainer.job import RunConfig
 
 
 def genrm_cfg(**genrm_keys):

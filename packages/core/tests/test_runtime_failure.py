@@ -17,11 +17,11 @@ import torch
 from test_runtime_group import job, on_every_rank, weights
 from trainer_fakes import Harness, check_accounting
 
+from offbeat.core.config.run import RunConfig
 from offbeat.core.models import build_tiny_model
 from offbeat.core.runtime import GroupCheckpointEngine, TrainerGroup, TrainerRankFailed
 from offbeat.core.runtime.group import split_by_tokens
 from offbeat.core.stacks import DIAGNOSTICS_GROUPS, actor_stacks, diagnostics_method, process_stacks
-from offbeat.core.trainer.job import RunConfig
 from offbeat.core.trainer.restart import run_with_restarts
 from offbeat.core.trainer.watchdog import StallError
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from trainer_fakes import FakeServer
 
+from offbeat.core.config.run import RunConfig
 from offbeat.core.models import build_tiny_model
 from offbeat.core.runtime import merge_rank_metrics, split_by_tokens
-from offbeat.core.trainer.job import RunConfig
 
 VOCAB = 260
 

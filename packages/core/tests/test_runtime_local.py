@@ -61,7 +61,7 @@ def local_engine_name():
 
 # ---- start_trainer ----------------------------------------------------------------------
 async def test_the_trainer_in_the_driver_is_a_group_of_one_local_rank(local_engine_name):
-    from offbeat.core.trainer.job import RunConfig
+    from offbeat.core.config.run import RunConfig
 
     cfg = RunConfig()
     cfg.runtime.trainer_in_driver = True

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from offbeat.core.config.run import RunConfig
 from offbeat.core.runtime import PlacementError, PoolSpec, check_fit, pool_specs
-from offbeat.core.trainer.job import RunConfig
 
 
 def cfg_with(**kw) -> RunConfig:

@@ -191,7 +191,7 @@ async def test_a_span_that_raises_is_recorded_with_the_error(exc):
 def test_job_traces_every_step_with_trace_else_the_first_trace_steps(
     tmp_path, trace_on, trace_steps, steps
 ):
-    from offbeat.core.trainer.job import make_tracer
+    from offbeat.core.trainer.tracking import make_tracer
 
     cfg = SimpleNamespace(trace=trace_on, trace_steps=trace_steps)
     tracer = make_tracer(cfg, tmp_path)

@@ -28,11 +28,11 @@ async def fake_run_job(cfg) -> dict:
     profile's core sampling aligns to)."""
     from safetensors.torch import save_file
 
-    from offbeat.core.trainer import job
+    from offbeat.core.trainer import tracking
 
     run_dir = Path(cfg.trainer.log_dir) / cfg.trainer.experiment_name
     run_dir.mkdir(parents=True)
-    tracer = job.make_tracer(cfg.trainer, run_dir)
+    tracer = tracking.make_tracer(cfg.trainer, run_dir)
     rows = [{"step": 0, "val/reward": 0.5, "val/response_length": 3.0}]
     tracer.add("validation_wait", "trainer", 0.0, 0.4)
     t = 1.0
@@ -76,12 +76,12 @@ def fake_measure_trainer(cfg, seq_lens, **_):
 
 @pytest.fixture
 def faked_job(monkeypatch):
-    from offbeat.core.trainer import job
+    from offbeat.core.trainer import job, prepare
     from offbeat.planner import measure
 
     monkeypatch.setattr(job, "run_job", fake_run_job)
     # the engine's timing is faked: no model or dataset to prepare for it
-    monkeypatch.setattr(job, "prepare", lambda cfg: SimpleNamespace(cfg=cfg))
+    monkeypatch.setattr(prepare, "prepare", lambda cfg: SimpleNamespace(cfg=cfg))
     monkeypatch.setattr(measure, "measure_trainer", fake_measure_trainer)
 
 

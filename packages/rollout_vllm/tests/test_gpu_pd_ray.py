@@ -25,9 +25,9 @@ async def test_pd_replica_through_the_job_factory_on_ray(tmp_path):
     import ray
 
     from offbeat.core.config import load_config, validate
+    from offbeat.core.config.run import RunConfig
     from offbeat.core.rollout.replica_spec import ReplicaSpec
     from offbeat.core.trainer.elastic import shutdown_replicas
-    from offbeat.core.trainer.job import RunConfig
     from offbeat.rollout_vllm import VLLMRolloutServer, VLLMServerConfig
     from offbeat.rollout_vllm.pd import PDRolloutServer
     from offbeat.rollout_vllm.replica import engine_kwargs_of, vllm_replica

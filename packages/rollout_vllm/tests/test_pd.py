@@ -319,7 +319,7 @@ PD_ONE_GPU = [
 
 def pd_job(tmp_path, extra=()):
     from offbeat.core.config import load_config
-    from offbeat.core.trainer.job import RunConfig
+    from offbeat.core.config.run import RunConfig
 
     return load_config(
         None,

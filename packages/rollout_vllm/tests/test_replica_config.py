@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from offbeat.core.config.run import RunConfig
 from offbeat.core.models import build_tiny_model
-from offbeat.core.trainer.job import RunConfig
 from offbeat.rollout_vllm.replica import engine_kwargs_of
 
 

@@ -4,7 +4,7 @@ Linux keeps an affinity mask per thread, and a new thread or process inherits th
 the thread that starts it. `pin_process(cpus)` therefore sets the mask of every thread the
 process already has, so that everything it starts afterwards (threads, engine processes,
 their workers) stays on `cpus` too. Knows nothing about which side a process belongs to:
-the trainer pins itself through `offbeat.core.trainer.job.pin_trainer`, a rollout replica
+the trainer pins itself through `offbeat.core.runtime.host.pin_trainer`, a rollout replica
 through its engine package.
 """
 

@@ -297,10 +297,10 @@ def busy_intervals_from_trace(
 @contextmanager
 def _tracer_origins():
     """The clock origin of every tracer the job makes (its trace's times count from it)."""
-    from offbeat.core.trainer import job
+    from offbeat.core.trainer import tracking
 
     origins: list[float] = []
-    make = job.make_tracer
+    make = tracking.make_tracer
 
     def make_tracer(*args, **kwargs):
         tracer = make(*args, **kwargs)
@@ -308,11 +308,11 @@ def _tracer_origins():
             origins.append(tracer.origin)
         return tracer
 
-    job.make_tracer = make_tracer
+    tracking.make_tracer = make_tracer
     try:
         yield origins
     finally:
-        job.make_tracer = make
+        tracking.make_tracer = make
 
 
 def profile_recipe(
@@ -350,7 +350,7 @@ def profile_recipe(
 def profile_from_run(cfg: RunConfig, work: Path, trainer: TrainerProfile | None = None) -> Profile:
     """The profile of the short run in `work` (its metrics, trace and recorded batches);
     `trainer`: engine points measured already (None: measure them now)."""
-    from offbeat.core.trainer.job import prepare
+    from offbeat.core.trainer.prepare import prepare
 
     run_dir = work / "profile"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -205,9 +205,7 @@ def _async(cfg: JobConfig, p: Problems) -> None:
     p.require_choice(
         "async_training.max_off_policy_strategy", s.max_off_policy_strategy, OFF_POLICY_STRATEGIES
     )
-    warmup_ok = p.require_int(
-        "async_training.num_warmup_batches", s.num_warmup_batches, minimum=0
-    )
+    warmup_ok = p.require_int("async_training.num_warmup_batches", s.num_warmup_batches, minimum=0)
     threshold = s.max_off_policy_threshold
     if (
         warmup_ok

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offbeat.core.config.run import RunConfig
 from offbeat.core.config.schema import AlgorithmConfig
 from offbeat.core.distill import config as _distill_checks  # noqa: F401  (registers its rules)
 from offbeat.core.distill.advantages import (
@@ -35,7 +36,6 @@ from offbeat.core.distill.teachers import TeacherPool, TeacherRouter
 from offbeat.core.train.loss import TEACHER_TOPK_IDS as TOPK_IDS
 from offbeat.core.train.loss import TEACHER_TOPK_LOG_PROBS as TOPK_LOG_PROBS
 from offbeat.core.trainer.extension import JobExtension
-from offbeat.core.trainer.job import RunConfig
 
 __all__ = [
     "OPDConfig",

@@ -19,6 +19,7 @@ from offbeat.core.rewards.registry import (
     load_reward_fn,
     register_reward,
     registered_rewards,
+    reward_registry,
 )
 from offbeat.core.rewards.scorers import char_match, exact_match, extract_answer, math_answer
 
@@ -32,6 +33,7 @@ __all__ = [  # noqa: RUF022 (grouped by concept)
     "load_reward_fn",
     "register_reward",
     "registered_rewards",
+    "reward_registry",
     # built-in scorers
     "char_match",
     "exact_match",

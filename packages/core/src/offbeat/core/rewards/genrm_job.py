@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from offbeat.core.config.run import RunConfig
 from offbeat.core.rewards.genrm import from_config
 from offbeat.core.rewards.genrm_sft import JudgeSFTConfig, build_judge
 from offbeat.core.tasks.synthetic import SyntheticTaskConfig
-from offbeat.core.trainer.job import RunConfig
 
 __all__ = ["GenRMRunConfig", "plot_genrm", "prepare_genrm", "write_judged_task_files"]
 

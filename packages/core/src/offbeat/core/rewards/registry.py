@@ -41,10 +41,13 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offbeat.core.registry import REWARD_FUNCTIONS
 from offbeat.core.user_code import UserCodeTimeout, call_user_code
+
+if TYPE_CHECKING:
+    from offbeat.core.config.schema import RewardConfig
 
 RewardFn = Callable[..., float]  # fn(response: str, ground_truth: str, **kw) -> float
 
@@ -362,3 +365,10 @@ def _group_values(data_source: str, values: list[Any], n: int) -> list[float]:
             "reward_invalid",
         )
     return [as_reward(data_source, v) for v in values]
+
+
+def reward_registry(r: RewardConfig) -> RewardRegistry:
+    """A job's `RewardRegistry` from its `reward` section: `reward.functions` (user
+    functions by data_source) first, then the registered scorers; `reward.name` other than
+    "task" scores every row."""
+    return RewardRegistry(r.functions, name=r.name, kwargs=r.kwargs, timeout_s=r.timeout_s)

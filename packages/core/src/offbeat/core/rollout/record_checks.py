@@ -36,7 +36,6 @@ __all__: list[str] = []
 log = logging.getLogger(__name__)
 
 
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -50,7 +50,7 @@ class _Method:
 def _device_setter():
     """A thread initializer that makes the calling thread's accelerator device current
     on each of the handle's threads (None on CPU): torch keeps the current device per
-    thread, and the driver chose its own (`offbeat.core.trainer.job.split_gpus`)."""
+    thread, and the driver chose its own (`offbeat.core.runtime.host.split_gpus`)."""
     import torch
 
     from offbeat.core.device import current_device

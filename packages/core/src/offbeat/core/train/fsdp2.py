@@ -133,7 +133,6 @@ class FSDP2Config:
         self.optim.validate(f"{prefix}.optim")
 
 
-
 def actor_engine_config(job: JobConfig) -> FSDP2Config:
     """The actor's FSDP2 settings, the one place that reads them from a job: model.*,
     resources.device, actor.* (micro-batches, gradient checkpointing, optimizer; the LR

@@ -1,6 +1,7 @@
-"""What a job starts for elastic replicas: hybrid replicas in the trainer pool (phase 1 of
-a two-phase start), replacements for dead replicas in a pool's bundles (rollout
-replicas, OPD teachers, GenRM judges), and their shutdown.
+"""What a job starts of its replicas: the rollout replicas in the rollout pool's bundles,
+hybrid replicas in the trainer pool (phase 1 of a two-phase start, `start_job_replicas`),
+replacements for dead replicas in a pool's bundles (rollout replicas, OPD teachers,
+GenRM judges), and their shutdown.
 
 Knows the job config, the pools and the rollout-engine registry (`rollout.engine`); not
 the training loop, nor what a replica does once started (`offbeat.core.trainer.hybrid`,
@@ -11,13 +12,94 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from offbeat.core.rollout.replica_spec import ReplicaSpec, start_replica
-from offbeat.core.runtime.launch import replica_options
+from offbeat.core.runtime.launch import hybrid_replicas, replica_options, start_trainer
 
-__all__ = ["bundle_replacement", "replacement_for", "shutdown_replicas", "start_hybrid_replicas"]
+__all__ = [
+    "JobReplicas",
+    "await_replicas",
+    "bundle_replacement",
+    "replacement_for",
+    "shutdown_replicas",
+    "start_hybrid_replicas",
+    "start_job_replicas",
+    "start_replicas",
+]
+
+
+def start_replicas(p: Any, pools: Any = None) -> dict[str, Any]:
+    """Start every rollout replica of `p` (a `Prepared` job) as rollout-<i> (not awaited:
+    they come up while the trainer builds), each in bundle i of `pools`' rollout pool when
+    given."""
+    from offbeat.core.config.support import replica_devices
+
+    cfg = p.cfg
+    n = cfg.resources.rollout_devices // replica_devices(cfg.rollout)
+    specs = [
+        ReplicaSpec(cfg, str(p.model_dir), i, ray_options=replica_options(pools, i))
+        for i in range(n)
+    ]
+    return {s.name: start_replica(s) for s in specs}
+
+
+async def await_replicas(servers: dict[str, Any], version: int | None = None) -> int:
+    """Wait until every replica of `servers` answers; returns `version`, or when None the
+    newest weight version they hold (0 for fresh ones)."""
+    await asyncio.gather(*(s.refresh() for s in servers.values() if hasattr(s, "refresh")))
+    if version is not None:
+        return version
+    return max((int(s.weight_version) for s in servers.values()), default=0)
+
+
+@dataclass
+class JobReplicas:
+    """Every replica a job started, by kind, and the order its parts started in."""
+
+    servers: dict[str, Any] = field(default_factory=dict)  # rollout replicas (weight-synced)
+    hybrids: dict[str, Any] = field(default_factory=dict)  # asleep in the trainer's bundles
+    extensions: dict[str, Any] = field(default_factory=dict)  # teachers, judges
+    order: list[str] = field(default_factory=list)
+
+    async def shutdown(self) -> None:
+        await shutdown_replicas({**self.servers, **self.hybrids, **self.extensions})
+
+
+async def start_job_replicas(
+    p: Any, pools: Any, extensions: Sequence[Any], into: JobReplicas
+) -> Any:
+    """Start the job's replicas into `into` (the caller shuts them down, also after a
+    failure here); returns the trainer side when it had to start first, else None.
+
+    With hybrid replicas it is a two-phase start. The trainer first: its ranks take their
+    bundles, so the hybrid replicas can be placed beside them. Phase 1: the hybrid
+    replicas start and go to sleep. Phase 2: the standalone replicas start. Then the
+    extensions' replicas (`JobExtension.start_replicas`)."""
+    side = None
+    if hybrid_replicas(p.cfg):
+        side = await start_trainer(p.cfg, pools)
+        into.order.append("trainer")
+        try:
+            into.hybrids.update(await start_hybrid_replicas(p, pools))
+            into.order.append("hybrid_asleep")
+            into.servers.update(start_replicas(p, pools))
+        except BaseException:
+            await side.close()
+            raise
+    else:
+        into.servers.update(start_replicas(p, pools))
+    into.order.append("standalone")
+    try:
+        for e in extensions:  # each one's, so a failure still shuts down those before it
+            into.extensions.update(e.start_replicas(p.cfg, pools))
+    except BaseException:
+        if side is not None:
+            await side.close()
+        raise
+    return side
 
 
 async def start_hybrid_replicas(p: Any, pools: Any) -> dict[str, Any]:

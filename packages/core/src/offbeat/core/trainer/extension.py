@@ -41,7 +41,6 @@ __all__ = [
     "make_validator",
     "overrides",
     "reward_extensions",
-    "start_extension_replicas",
 ]
 
 
@@ -120,15 +119,6 @@ def configure(cfg: JobConfig, extensions: Sequence[JobExtension]) -> JobConfig:
 
 def extra_pools(cfg: JobConfig, extensions: Sequence[JobExtension]) -> list[Any]:
     return [spec for ext in extensions for spec in ext.pools(cfg)]
-
-
-def start_extension_replicas(
-    cfg: JobConfig, pools: Any, extensions: Sequence[JobExtension], started: dict[str, Any]
-) -> None:
-    """Start every extension's replicas into `started` (the caller shuts them down, also
-    those of the extensions before one whose start failed)."""
-    for ext in extensions:
-        started.update(ext.start_replicas(cfg, pools))
 
 
 def job_validator(

@@ -9,23 +9,24 @@ __all__ = ["job_summary", "print_report"]
 
 
 def job_summary(
-    summary: dict[str, Any], *, run_dir: Any, tracker: Any, plot: Any, tracer: Any,
-    startup_s: float, pool: Any, hybrid: Any, trainer: Any,
-) -> dict[str, Any]:  # fmt: skip
-    """`summary` (the trainer's) with where the run's files are, its start-up time, the
-    replicas removed and replaced, the hybrid replicas' cycles, and the trainer itself."""
+    summary: dict[str, Any], loop: Any, rollout: Any, startup_s: float
+) -> dict[str, Any]:
+    """`summary` (the trainer's) with where the run's files are (`loop`: a
+    `TrainingLoop`), its start-up time, the replicas removed and replaced and the hybrid
+    replicas' cycles (`rollout`: a `RolloutSide`), and the trainer itself."""
+    pool, hybrid = rollout.pool, rollout.hybrid
     summary.update(
         {
-            "run_dir": str(run_dir),
-            "metrics": str(tracker.jsonl_path),
-            "plot": str(plot) if plot else None,
-            "trace": str(tracer.path) if tracer is not None else None,
+            "run_dir": str(loop.run_dir),
+            "metrics": str(loop.tracker.jsonl_path),
+            "plot": str(loop.plot) if loop.plot else None,
+            "trace": str(loop.trace_path) if loop.trace_path is not None else None,
             "startup_s": startup_s,
             "removed_replicas": dict(pool.removed),
             "replaced_replicas": dict(pool.replaced),
             "hybrid_events": list(hybrid.events) if hybrid is not None else [],
             "hybrid_lost": dict(hybrid.lost) if hybrid is not None else {},
-            "trainer": trainer,
+            "trainer": loop.trainer,
         }
     )
     return summary

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from offbeat.core.config.run import RunConfig
     from offbeat.core.config.schema import JobConfig
 
+
 class BusyClock:
     """Seconds during which at least one unit of work was in flight and not paused."""
 
@@ -274,7 +275,9 @@ def make_buffer(cfg: JobConfig) -> AsyncReplayBuffer:
     )
 
 
-def make_driver(cfg: RunConfig, buffer: AsyncReplayBuffer, loader: Any, agent: Any) -> RolloutDriver:
+def make_driver(
+    cfg: RunConfig, buffer: AsyncReplayBuffer, loader: Any, agent: Any
+) -> RolloutDriver:
     """The run's rollout driver: `rollout.n` samples a prompt, `rollout.seed`'s per-prompt
     seeds, `runtime.max_concurrent_groups` workers, and a stop after
     `runtime.max_failed_batches` train batches' worth of groups fail in a row."""

@@ -33,7 +33,8 @@ from offbeat.core.trainer.experiment_trackers import (
 
 if TYPE_CHECKING:
     from offbeat.core.config.run import RunConfig
-    from offbeat.core.config.schema import JobConfig
+    from offbeat.core.config.schema import JobConfig, TrainerConfig
+    from offbeat.core.trace import Tracer
     from offbeat.core.trainer.checkpoint import CheckpointManager
 
 logger = logging.getLogger(__name__)
@@ -372,3 +373,13 @@ def _loggers(cfg: JobConfig, p: Problems) -> None:
     for name in dict.fromkeys(x for x in loggers if x in LOGGERS):
         if hint := install_hint(name):  # an extra that is not installed
             p.add("trainer.loggers", loggers, hint)
+
+
+def make_tracer(trainer: TrainerConfig, run_dir: Path) -> Tracer | None:
+    """The step timeline <run_dir>/trace.json: every step with `trainer.trace`, else the
+    first `trainer.trace_steps` (None when that is 0)."""
+    from offbeat.core.trace import Tracer
+
+    if not trainer.trace and trainer.trace_steps <= 0:
+        return None
+    return Tracer(run_dir / "trace.json", steps=None if trainer.trace else trainer.trace_steps)

@@ -456,9 +456,7 @@ class Trainer:
         if asleep is not None and (levels := await asleep):
             extra["hybrid/asleep_level"] = float(min(levels.values()))
         if self.critic_ref is not None:
-            extra.update(
-                await self.critic_ref.update_critic(data, rows_per_mb, sync_step)
-            )
+            extra.update(await self.critic_ref.update_critic(data, rows_per_mb, sync_step))
 
         # The last validation must see only its own version: finish it before syncing.
         await self._finish_validation(weights_at_version=False)
