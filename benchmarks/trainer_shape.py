@@ -11,8 +11,11 @@ wall time to the end, start-up included. Prints each run, then per checkout the 
 its runs, the ratio after/before, and the load average around every run. One unrecorded
 3-step run first builds what the job caches.
 
+`--learning`: the whole default job instead (its own step count and validations), and
+per run also its validation reward before training and at the end.
+
     python benchmarks/trainer_shape.py --before <checkout> --after <checkout> \
-        [--runs 3] [--steps 15] [key=value ...]
+        [--runs 3] [--steps 15 | --learning] [key=value ...]
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def main():
     keys = ["timing/step_s", "timing/train_s", "timing/sync_s", "timing/generate_wait_s"]
     out = {k: med(k) for k in keys}
     out["wall_s"] = time.perf_counter() - t0
+    vals = [r["val/reward"] for r in rows if "val/reward" in r]
+    out["val_first"], out["val_last"] = (vals[0], vals[-1]) if vals else (None, None)
     out["steps"] = summary["steps"]
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -51,14 +56,16 @@ if __name__ == "__main__":
 """
 
 
-def run_once(checkout: Path, steps: int, extra: list[str], tmp: Path, tag: str) -> dict:
+def run_once(checkout: Path, steps: int | None, extra: list[str], tmp: Path, tag: str) -> dict:
     python = checkout / ".venv" / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{checkout}: no .venv (run `./offbeat test --fast -k nothing` there)")
-    overrides = [
+    cut = [] if steps is None else [
         f"trainer.total_training_steps={steps}", "trainer.test_freq=0",
-        "trainer.val_before_train=false", "trainer.save_freq=-1",
-        "runtime.progress_bar=false", "trainer.loggers=[jsonl]",
+        "trainer.val_before_train=false",
+    ]  # fmt: skip
+    overrides = [
+        *cut, "trainer.save_freq=-1", "runtime.progress_bar=false", "trainer.loggers=[jsonl]",
         f"trainer.log_dir={tmp}", f"trainer.experiment_name={tag}", *extra,
     ]  # fmt: skip
     load0 = os.getloadavg()[0]
@@ -73,12 +80,19 @@ def run_once(checkout: Path, steps: int, extra: list[str], tmp: Path, tag: str) 
     return got
 
 
+def _val(got: dict) -> str:
+    if got.get("val_first") is None:
+        return "no validation"
+    return f"val/reward {got['val_first']:.3f} -> {got['val_last']:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", type=Path, required=True)
     ap.add_argument("--after", type=Path, required=True)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--learning", action="store_true", help="the whole default job")
     args, extra = ap.parse_known_args()
     results: dict[str, list[dict]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="trainer-shape-") as tmp:
@@ -86,18 +100,19 @@ def main() -> None:
         run_once(args.before.resolve(), 3, extra, Path(tmp), "warmup")
         for i in range(args.runs):
             for name in ("before", "after"):
-                got = run_once(
-                    getattr(args, name).resolve(), args.steps, extra, Path(tmp), f"{name}{i}"
-                )
+                steps = None if args.learning else args.steps
+                got = run_once(getattr(args, name).resolve(), steps, extra, Path(tmp), f"{name}{i}")
                 results[name].append(got)
                 print(
                     f"run {i} {name:6s}: step {got['timing/step_s']:.3f}s "
                     f"(train {got['timing/train_s']:.3f}, sync {got['timing/sync_s']:.3f}, "
                     f"wait {got['timing/generate_wait_s']:.3f}); wall {got['wall_s']:.0f}s; "
+                    f"{_val(got)}"
                     f"load {got['load'][0]:.1f} -> {got['load'][1]:.1f}",
                     flush=True,
                 )
-    print(f"\nmedian of {args.runs} runs, {args.steps} steps each (steps 3..N per run):")
+    what = "the whole job" if args.learning else f"{args.steps} steps"
+    print(f"\nmedian of {args.runs} runs, {what} each (step times over steps 3..N per run):")
     print("| | step s | train s | sync s | wait s | wall s |\n|---|---|---|---|---|---|")
     med: dict[str, dict[str, float]] = {}
     for name, runs in results.items():
@@ -105,6 +120,10 @@ def main() -> None:
         med[name] = {k: statistics.median(r[k] for r in runs) for k in [*keys, "wall_s"]}
         cells = " | ".join(f"{med[name][k]:.3f}" for k in keys)
         print(f"| {name} | {cells} | {med[name]['wall_s']:.0f} |")
+        if args.learning:
+            first = statistics.median(r["val_first"] for r in runs)
+            last = statistics.median(r["val_last"] for r in runs)
+            print(f"|   val/reward, first -> last (median) | {first:.3f} -> {last:.3f} | | | | |")
     ratio = med["after"]["timing/step_s"] / med["before"]["timing/step_s"]
     print(f"\nstep time after / before: {ratio:.3f}")
     loads = [x for rs in results.values() for r in rs for x in r["load"]]

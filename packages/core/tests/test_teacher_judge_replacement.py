@@ -162,6 +162,28 @@ async def test_in_flight_judge_calls_on_a_killed_judge_are_retried_on_its_replac
     assert hook.summary()["replaced_replicas"] == {"judge-0": "judge-0-r1"}
     assert hook.summary()["served_by_replica"] == {"judge-0-r1": 5}  # none answered by judge-0
 
+    # The end of the run: the job shuts the replacement down through the extension seam
+    # (`JobExtension.replacements`), as for OPD's teachers, not the hook by itself.
+    from offbeat.core.rewards.genrm_extension import GenRMExtension
+    from offbeat.core.trainer import elastic
+    from offbeat.core.trainer.extension import close_extensions
+
+    await hook.close()
+    assert list(hook.replacements()) == ["judge-0-r1"]
+    ext = GenRMExtension()
+    ext.hook = hook
+    shut: list[str] = []
+
+    async def shutdown(servers):
+        shut.extend(servers)
+
+    real, elastic.shutdown_replicas = elastic.shutdown_replicas, shutdown
+    try:
+        await close_extensions([ext])
+    finally:
+        elastic.shutdown_replicas = real
+    assert shut == ["judge-0-r1"]
+
 
 async def test_a_judge_call_waits_for_the_replacement_beyond_its_own_timeout():
     """The replacement's start takes longer than the judge's per-call timeout: the retry

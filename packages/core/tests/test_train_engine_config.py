@@ -207,3 +207,21 @@ def test_ray_actor_factory_wraps_without_starting_ray():
     assert not ray.is_initialized()
     with pytest.raises(KeyError, match="fsdp2"):
         make_train_engine_actor("nope")
+
+
+def test_the_topk_kl_weight_comes_from_the_recipes_config_not_from_a_key_core_reads():
+    from offbeat.core.cli import load_recipe_config
+
+    _, opd = load_recipe_config("opd", ["distillation.kl_coef=0.5"])
+    _, k1 = load_recipe_config("opd", ["distillation.loss=reverse_kl"])
+    _, plain = load_recipe_config("separate_async", [])
+    assert ppo_loss_config(opd).topk_kl_coef == 0.5
+    assert ppo_loss_config(k1).topk_kl_coef == 0.0
+    assert ppo_loss_config(plain).topk_kl_coef == 0.0
+    # core's loss reads no recipe section: OPD's config says its own weight
+    import inspect
+    import re
+
+    import offbeat.core.train.loss as loss_module
+
+    assert not re.search(r"\.distillation\b|[\"']distillation[\"']", inspect.getsource(loss_module))

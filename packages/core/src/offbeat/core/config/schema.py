@@ -330,3 +330,9 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     async_training: AsyncConfig = field(default_factory=AsyncConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def topk_kl_coef(self) -> float:
+        """The weight of a forward-KL term to a teacher's top-k tokens in the policy loss
+        (`ppo_loss_config`): none in a plain job. A recipe whose config adds a teacher
+        overrides it (OPD's, from its `distillation` section), so core reads no recipe key."""
+        return 0.0

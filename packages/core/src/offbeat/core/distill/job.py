@@ -55,6 +55,11 @@ class OPDConfig(RunConfig):
 
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
+    def topk_kl_coef(self) -> float:
+        """`distillation.kl_coef` with `distillation.loss=topk_forward_kl`, else 0."""
+        d = self.distillation
+        return float(d.kl_coef) if d.loss == "topk_forward_kl" else 0.0
+
 
 def teacher_job(cfg: RunConfig, d: DistillationConfig, name: str) -> RunConfig:
     """The job config a rollout-engine factory starts teacher `name`'s replicas from."""

@@ -55,10 +55,13 @@ class GenRMExtension(JobExtension):
         summary["genrm"] = self.hook.summary() if self.hook is not None else None
 
     async def close(self) -> None:
-        # Uninstalls the judge and shuts down the replacements its transport started
-        # (idempotent: the trainer closes its step hooks too).
+        # Uninstalls the judge and stops its replacements being started (idempotent: the
+        # trainer closes its step hooks too); the job then shuts down `replacements()`.
         if self.hook is not None:
             await self.hook.close()
+
+    def replacements(self) -> dict[str, Any]:
+        return self.hook.replacements() if self.hook is not None else {}
 
 
 REWARD_EXTENSIONS.register("genrm", GenRMExtension)

@@ -250,18 +250,22 @@ class GenRMStepHook:
         self.judge.new_step()
 
     async def close(self) -> None:
-        """Uninstall the judge; stop the replacements being started and shut down the
-        ones started (the job shuts down the judges it started). Idempotent."""
+        """Uninstall the judge and stop the replacements being started. Idempotent. The
+        ones started are `replacements()`: the job shuts them down after its extensions
+        close (`JobExtension.replacements`), as it does the judges it started."""
         from offbeat.core.rewards import genrm
-        from offbeat.core.trainer.elastic import shutdown_replicas
 
         genrm.install(None)
         transport = self.judge._post
         if isinstance(transport, BalancedJudgeTransport):
             await transport.close()
-            started = dict(transport.replicas.started)
-            transport.replicas.started.clear()
-            await shutdown_replicas(started)
+
+    def replacements(self) -> dict[str, Any]:
+        """{server_id: replica} started in place of dead judges."""
+        transport = self.judge._post
+        if isinstance(transport, BalancedJudgeTransport):
+            return dict(transport.replicas.started)
+        return {}
 
     def summary(self) -> dict[str, Any]:
         return {**self.totals, "removed_replicas": self.judge.removed_replicas,

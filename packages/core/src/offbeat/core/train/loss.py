@@ -110,11 +110,9 @@ class PPOLossConfig:
 def ppo_loss_config(job: JobConfig) -> PPOLossConfig:
     """The policy loss of a job, the one place that reads it from one (both train engines
     build theirs here): actor.clip_ratio_*, the algorithm section, rollout.max_tokens as
-    the horizon; an OPD job's `distillation` section with `loss=topk_forward_kl` sets
-    `topk_kl_coef` to its `kl_coef`."""
+    the horizon; `topk_kl_coef` from the job config's own `topk_kl_coef()` (a recipe's
+    config overrides it: OPD's)."""
     a, alg = job.actor, job.algorithm
-    d = getattr(job, "distillation", None)
-    topk = d is not None and getattr(d, "loss", "") == "topk_forward_kl"
     return PPOLossConfig(
         loss_agg_mode=alg.loss_agg_mode,
         clip_ratio_low=a.clip_ratio_low,
@@ -129,7 +127,7 @@ def ppo_loss_config(job: JobConfig) -> PPOLossConfig:
         kl_loss_type=alg.kl_loss_type,
         kl_clamp=alg.kl_clamp,
         entropy_coeff=alg.entropy_coeff,
-        topk_kl_coef=float(d.kl_coef) if topk else 0.0,
+        topk_kl_coef=job.topk_kl_coef(),
         horizon=float(job.rollout.max_tokens),
     )
 

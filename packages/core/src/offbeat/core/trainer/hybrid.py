@@ -43,7 +43,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from offbeat.ckpt_engine import CheckpointEngineManager
-from offbeat.core.trainer.replicas import ReplicaPool
+from offbeat.core.trainer.replicas import ReplicaPool, call_each, failures
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +122,7 @@ class HybridReplicas:
     ) -> dict[str, str]:
         """`call` on every replica of `servers` at once; returns id -> why for failures."""
         self._note(version, phase)
-        ids = list(servers)
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(call(servers[i]), self.phase_timeout_s) for i in ids),
-            return_exceptions=True,
-        )
-        return {
-            i: f"{phase}: {type(o).__name__}: {o}"
-            for i, o in zip(ids, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
+        return failures(await call_each(servers, call, self.phase_timeout_s), phase)
 
     async def _hybrids(self, version: int | None, phase: str, call) -> None:
         for i, why in (await self._each(version, phase, dict(self.servers), call)).items():
@@ -147,13 +138,10 @@ class HybridReplicas:
         report it (`device_memory()`: the device as a whole, every process on it); the
         others, and any that fails to answer, are left out."""
         probes = {i: s for i, s in self.servers.items() if hasattr(s, "device_memory")}
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(s.device_memory(), self.phase_timeout_s) for s in probes.values()),
-            return_exceptions=True,
-        )
+        outcomes = await call_each(probes, lambda s: s.device_memory(), self.phase_timeout_s)
         return {
             i: int(o["free_bytes"])
-            for i, o in zip(probes, outcomes, strict=True)
+            for i, o in outcomes.items()
             if isinstance(o, dict) and "free_bytes" in o
         }
 
@@ -161,13 +149,10 @@ class HybridReplicas:
         """id -> the sleep level each hybrid replica reports now (`status()["asleep_level"]`,
         0: awake), for the replicas that report one; the trainer reads it while it trains."""
         probes = {i: s for i, s in self.servers.items() if hasattr(s, "status")}
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(s.status(), self.phase_timeout_s) for s in probes.values()),
-            return_exceptions=True,
-        )
+        outcomes = await call_each(probes, lambda s: s.status(), self.phase_timeout_s)
         return {
             i: int(o["asleep_level"])
-            for i, o in zip(probes, outcomes, strict=True)
+            for i, o in outcomes.items()
             if isinstance(o, dict) and "asleep_level" in o
         }
 

@@ -34,7 +34,7 @@ from offbeat.core import progress
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NoReplicasLeft", "Replacement", "ReplicaPool"]
+__all__ = ["NoReplicasLeft", "Replacement", "ReplicaPool", "call_each", "failures"]
 
 
 class NoReplicasLeft(RuntimeError):
@@ -70,6 +70,27 @@ def _merged(a: SyncResult, b: SyncResult) -> SyncResult:
         bytes=a.bytes + b.bytes,
         buckets=a.buckets + b.buckets,
     )
+
+
+async def call_each(
+    servers: Mapping[str, Any], call: Callable[[Any], Awaitable[Any]], timeout_s: float | None
+) -> dict[str, Any]:
+    """`call(server)` on every one of `servers` at once, each within `timeout_s`: id -> its
+    result, or the exception it raised (a timeout included)."""
+    ids = list(servers)
+    outcomes = await asyncio.gather(
+        *(asyncio.wait_for(call(servers[i]), timeout_s) for i in ids), return_exceptions=True
+    )
+    return dict(zip(ids, outcomes, strict=True))
+
+
+def failures(outcomes: Mapping[str, Any], what: str) -> dict[str, str]:
+    """id -> "<what>: <error>" for the outcomes of `call_each` that are errors."""
+    return {
+        i: f"{what}: {type(o).__name__}: {o}"
+        for i, o in outcomes.items()
+        if isinstance(o, BaseException)
+    }
 
 
 def _base_id(server_id: str) -> str:
@@ -321,16 +342,9 @@ class ReplicaPool:
     async def _unhealthy(self, servers: Mapping[str, Any]) -> dict[str, str]:
         """Probe each of `servers` at once: id -> "health check: <error>" for the ones
         that do not answer."""
-        ids = list(servers)
-        outcomes = await asyncio.gather(
-            *(asyncio.wait_for(self._probe(servers[i]), self.health_timeout_s) for i in ids),
-            return_exceptions=True,
+        return failures(
+            await call_each(servers, self._probe, self.health_timeout_s), "health check"
         )
-        return {
-            i: f"health check: {type(o).__name__}: {o}"
-            for i, o in zip(ids, outcomes, strict=True)
-            if isinstance(o, BaseException)
-        }
 
     async def _diagnosed(
         self, failed: Mapping[str, str], targets: Mapping[str, Any]
