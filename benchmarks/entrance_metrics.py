@@ -4,8 +4,11 @@ For the working tree and for a git revision (`--base`, default `main`), read fro
 run: lines of the job assembly (`offbeat/core/trainer/job.py`) and of its largest
 functions, the import fan-out of that module (offbeat modules it imports, at module level
 and inside functions) and its fan-in (source modules of the workspace that import it), the
-count of `cfg: Any` in core, the import cycles among offbeat.core's modules, and the lines of
-the rollout engines' Ray proxies. Static (ast), no import is run.
+count of `cfg: Any` in core, the import cycles among offbeat.core's modules, the lines of
+the rollout engines' Ray proxies, the largest functions of the training loop
+(`trainer/trainer.py`), and the lines the Megatron backend repeats of core's train
+package (runs of 6 or more identical non-blank lines, `difflib`). Static (ast), no import
+is run.
 
     python benchmarks/entrance_metrics.py [--base main]
 """
@@ -22,6 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = "packages/core/src/offbeat/core/trainer/job.py"
 JOB_MODULE = "offbeat.core.trainer.job"
 CORE = "packages/core/src/"
+TRAINER = "packages/core/src/offbeat/core/trainer/trainer.py"
+MEGATRON = "packages/backend_megatron/src/"
+CORE_TRAIN = "packages/core/src/offbeat/core/train/"
+RUN = 6  # the shortest run of identical lines that counts as a copy
 # The Ray proxies of the rollout engines (driver-side classes over an actor handle).
 PROXIES = {
     "packages/rollout_vllm/src/offbeat/rollout_vllm/actor.py": "RemoteRolloutServer",
@@ -144,16 +151,42 @@ def span(node: ast.AST) -> int:
     return node.end_lineno - node.lineno + 1  # type: ignore[attr-defined]
 
 
-def metrics(tree: Tree) -> dict[str, object]:
-    job = tree.read(JOB) or ""
-    funcs = sorted(
-        (
-            (span(n), n.name)
-            for n in ast.walk(ast.parse(job))
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-        ),
+def largest(source: str, n: int = 4, classes: bool = False) -> str:
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef) + ((ast.ClassDef,) if classes else ())
+    spans = sorted(
+        ((span(x), x.name) for x in ast.walk(ast.parse(source)) if isinstance(x, kinds)),
         reverse=True,
     )
+    return ", ".join(f"{name} {lines}" for lines, name in spans[:n])
+
+
+def shared_lines(tree: Tree) -> int:
+    """Lines of the Megatron backend's sources inside runs of `RUN`+ identical non-blank
+    lines (stripped) that also occur in a module of core's train package."""
+    import difflib
+
+    def lines(path: str) -> list[str]:
+        return [x.strip() for x in (tree.read(path) or "").splitlines() if x.strip()]
+
+    files = [f for f in tree.files() if f.endswith(".py")]
+    core = [lines(f) for f in files if f.startswith(CORE_TRAIN)]
+    total = 0
+    for f in files:
+        if not f.startswith(MEGATRON):
+            continue
+        a = lines(f)
+        hit = [False] * len(a)
+        for b in core:
+            m = difflib.SequenceMatcher(None, a, b, autojunk=False)
+            for blk in m.get_matching_blocks():
+                if blk.size >= RUN:
+                    hit[blk.a : blk.a + blk.size] = [True] * blk.size
+        total += sum(hit)
+    return total
+
+
+def metrics(tree: Tree) -> dict[str, object]:
+    job = tree.read(JOB) or ""
     g = graph(tree)
     fan_in = sorted(m for m, deps in g.items() if JOB_MODULE in deps)
     cfg_any = 0
@@ -176,12 +209,14 @@ def metrics(tree: Tree) -> dict[str, object]:
     )
     return {
         "job.py lines": len(job.splitlines()),
-        "job.py largest functions": ", ".join(f"{n} {s}" for s, n in funcs[:4]),
+        "job.py largest functions": largest(job),
         "job.py fan-out (offbeat modules)": len(g.get(JOB_MODULE, ())),
         "job.py fan-in (workspace modules)": len(fan_in),
         "cfg: Any in core": cfg_any,
         "import cycles in offbeat.core": "; ".join(" <-> ".join(c) for c in cycles(core)) or "none",
         "engine Ray proxies (classes, lines)": f"{proxies}, {proxy_lines}",
+        "trainer.py largest (classes, functions)": largest(tree.read(TRAINER) or "", classes=True),
+        f"Megatron lines repeating core's train package (runs of {RUN}+)": shared_lines(tree),
     }
 
 

@@ -107,8 +107,7 @@ def main() -> None:
                     f"run {i} {name:6s}: step {got['timing/step_s']:.3f}s "
                     f"(train {got['timing/train_s']:.3f}, sync {got['timing/sync_s']:.3f}, "
                     f"wait {got['timing/generate_wait_s']:.3f}); wall {got['wall_s']:.0f}s; "
-                    f"{_val(got)}"
-                    f"load {got['load'][0]:.1f} -> {got['load'][1]:.1f}",
+                    f"{_val(got)}; load {got['load'][0]:.1f} -> {got['load'][1]:.1f}",
                     flush=True,
                 )
     what = "the whole job" if args.learning else f"{args.steps} steps"

@@ -425,8 +425,13 @@ class _Clock:
 
 
 def test_update_reports_model_tflops_per_device_and_mfu(model_dir, monkeypatch):
-    from offbeat.core.train import fsdp2
+    from offbeat.core.train import _rank, fsdp2
     from offbeat.core.train.flops import DecoderShape, training_flops
+
+    def clock(monkeypatch):  # one clock for the update's start (`_rank`) and its end
+        c = _Clock()
+        monkeypatch.setattr(fsdp2, "time", c)
+        monkeypatch.setattr(_rank, "time", c)
 
     batch = make_batch(6, seed=2)
     cpu = make_engine(model_dir, 4)
@@ -435,12 +440,12 @@ def test_update_reports_model_tflops_per_device_and_mfu(model_dir, monkeypatch):
     shape = DecoderShape.from_hf_config(cpu.model.config)
     flops = training_flops(shape, batch["attention_mask"].sum(-1).tolist())
 
-    monkeypatch.setattr(fsdp2, "time", _Clock())
+    clock(monkeypatch)
     got = cpu.update(data)
     assert got["perf/tflops_per_device"] == pytest.approx(flops / 2.0 / 1e12)
     assert "perf/mfu" not in got  # no peak known for a CPU
 
-    monkeypatch.setattr(fsdp2, "time", _Clock())
+    clock(monkeypatch)
     got = with_peak.update(data)
     assert got["perf/mfu"] == pytest.approx(flops / 2.0 / 1e12 / 1e-6)
 

@@ -13,17 +13,14 @@ which a CPU host cannot.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from offbeat.core.train import _checkpoint as core_checkpoint
 
-EXTRA_FILE = "engine_state.pt"
+EXTRA_FILE = core_checkpoint.EXTRA_FILE
 _DIST = "dist"
-_HAS_OPTIM = "has_optimizer_state"
 
 
 def _sharded(model: torch.nn.Module, opt: Any, with_optim: bool, loading: bool) -> dict[str, Any]:
@@ -42,33 +39,15 @@ def save(path: str, model: torch.nn.Module, opt: Any, extra: dict[str, Any]) -> 
         core_checkpoint.save(path, model, opt.optimizer, {**extra, **sched})
         return
 
-    path = os.path.abspath(path).rstrip(os.sep)
-    tmp = path + ".tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, _DIST))
-    dist.barrier()
+    tmp = core_checkpoint.begin(path)  # core's atomic write: tmp dir, extra last, rename
+    os.makedirs(os.path.join(tmp, _DIST), exist_ok=True)
     # An optimizer that never stepped has no state; asking for it would create a zero step.
     has_optim = opt.has_state
     dist_checkpointing.save(_sharded(model, opt, has_optim, False), os.path.join(tmp, _DIST))
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, EXTRA_FILE), "wb") as f:
-            torch.save({**extra, _HAS_OPTIM: has_optim}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        old = path + ".old"
-        if os.path.exists(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    core_checkpoint.commit(path, tmp, extra, has_optim)
 
 
-def is_complete(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, EXTRA_FILE))
+is_complete = core_checkpoint.is_complete
 
 
 def load(path: str, model: torch.nn.Module, opt: Any) -> dict[str, Any]:
@@ -80,13 +59,7 @@ def load(path: str, model: torch.nn.Module, opt: Any) -> dict[str, Any]:
         opt.scheduler.load_state_dict(extra.pop("lr_scheduler"))
         return extra
     path = os.path.abspath(path)
-    if not is_complete(path):
-        raise FileNotFoundError(
-            f"no complete train-engine checkpoint at {path!r} (missing {EXTRA_FILE})"
-        )
-    with open(os.path.join(path, EXTRA_FILE), "rb") as f:
-        extra = torch.load(f, weights_only=True)
-    has_optim = bool(extra.pop(_HAS_OPTIM, True))
+    extra, has_optim = core_checkpoint.read_extra(path)
     if not has_optim and opt.has_state:
         raise ValueError(
             f"checkpoint {path!r} was saved before any update (no optimizer state) but this "

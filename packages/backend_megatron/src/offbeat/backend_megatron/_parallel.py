@@ -15,12 +15,12 @@ Knows nothing about batches or losses. Two optimizer paths, chosen by `optimizer
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from offbeat.core.train._sharding import ensure_process_group
 from offbeat.core.train.optim import OptimConfig, build_lr_scheduler, build_optimizer, lr_factor
 
 __all__ = ["MegatronOptimizer", "TorchOptimizer", "init_parallel"]
@@ -31,23 +31,7 @@ def init_parallel(accel: Any, tp: int, pp: int, seed: int = 0) -> torch.device:
     single-process one, then Megatron's TP/PP/DP groups; return this rank's device."""
     from megatron.core import parallel_state as ps
 
-    if accel.torch_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        module = torch.get_device_module(accel.torch_type)
-        if "LOCAL_RANK" in os.environ and not dist.is_initialized():
-            module.set_device(int(os.environ["LOCAL_RANK"]))
-        device = accel.torch_device(module.current_device())
-    if not dist.is_initialized():
-        backend = (
-            accel.backend
-            if accel.torch_type == "cpu"
-            else f"cpu:gloo,{accel.torch_type}:{accel.backend}"
-        )
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    device = ensure_process_group(accel)  # core's: the same join-or-start as FSDP2's
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(

@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from offbeat.core.train.engine import DTYPES
 from offbeat.core.train.optim import OptimConfig
 
 if TYPE_CHECKING:
@@ -19,7 +18,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DTYPES", "OPTIMIZERS", "MegatronConfig", "megatron_config"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIMIZERS = ("auto", "megatron", "torch")
 
 

@@ -31,10 +31,11 @@ from offbeat.backend_megatron.convert import (
     megatron_to_hf,
     tp_split_dim,
 )
-from offbeat.core.algorithms import global_normalizer, zero_masked
+from offbeat.core.algorithms import zero_masked
 from offbeat.core.device import current_device, get_device
 from offbeat.core.train import _batch
 from offbeat.core.train._metrics import MetricSums
+from offbeat.core.train._rank import DataParallelRank
 from offbeat.core.train.engine import LossFn, register_train_engine
 from offbeat.core.train.flops import (
     DecoderShape,
@@ -52,7 +53,7 @@ __all__ = ["MegatronConfig", "MegatronTrainEngine"]
 
 
 @register_train_engine("megatron")
-class MegatronTrainEngine:
+class MegatronTrainEngine(DataParallelRank):
     """One rank of a Megatron-Core decoder (TP × PP × DP). With world size > 1 the caller
     starts torch.distributed (or sets the env:// variables); every rank builds the engine
     with the same config and calls every method. `loss_fn` as the FSDP2 engine's."""
@@ -142,30 +143,8 @@ class MegatronTrainEngine:
         return self._opt.lr
 
     @property
-    def global_update_count(self) -> int:
-        return self._updates
-
-    @property
-    def dp_rank(self) -> int:
-        return dist.get_rank(self._dp_group)
-
-    @property
-    def dp_size(self) -> int:
-        return dist.get_world_size(self._dp_group)
-
-    @property
     def tp_rank(self) -> int:
         return dist.get_rank(self._tp_group)
-
-    def _bind_device(self) -> None:
-        if self._device.type != "cpu":
-            torch.get_device_module(self._device.type).set_device(self._device)
-
-    def _temperature(self, temperature: float | None) -> float:
-        t = self.config.temperature if temperature is None else temperature
-        if not t > 0:
-            raise ValueError(f"temperature={t!r}: must be > 0 (the rollout's sampling temperature)")
-        return float(t)
 
     # ---------------------------------------------------------------- forward
     def _run(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -251,20 +230,9 @@ class MegatronTrainEngine:
         the loss function prepares the shard, one normaliser counts the loss tokens over
         the data-parallel ranks, forward/backward per micro-batch, clip, AdamW, LR step.
         Returns the same metric names, identical on every rank."""
-        t_start = time.perf_counter()
-        temperature = self._temperature(temperature)
-        self._bind_device()
-        data = _batch.as_tensor_dict(mini_batch, self._device)
-        seqlens = data["attention_mask"].sum(dim=-1).tolist()
-        data, prepared = self._loss_fn.prepare(data)
-        loss_mask = data.get("loss_mask")
-        if loss_mask is None:
-            loss_mask = data["loss_mask"] = data["response_mask"]
-        norm = global_normalizer(
-            loss_mask, horizon=self._loss_fn.horizon, group=self._dp_group, loss_scale=self.dp_size
-        )
-        if norm.num_tokens <= 0:
-            raise ValueError("update: the mini-batch has no response tokens on any rank")
+        u = self._update_inputs(mini_batch, temperature)
+        t_start, temperature, data, seqlens = u.t_start, u.temperature, u.data, u.seqlens
+        prepared, loss_mask, norm = u.prepared, u.loss_mask, u.norm
         micro = _batch.split_rows(data, self.config.micro_batch_size)
         with_entropy = bool(self._loss_fn.needs_entropy)
         # Metrics come from one rank per data-parallel replica (last stage, TP rank 0).
@@ -316,17 +284,7 @@ class MegatronTrainEngine:
         result = metrics.reduce(None, self._device)  # over all ranks: non-reporting add nothing
         flops, seconds = result.pop("perf/flops", 0.0), result.pop("perf/max_update_s", 0.0)
         result.update(perf_metrics(flops, seconds, dist.get_world_size(), self._peak))
-        result.update(
-            {
-                "actor/grad_norm": grad_norm,
-                "actor/lr": used_lr,
-                "actor/num_skipped_updates": float(skipped),
-                "actor/num_tokens": norm.num_tokens,
-                "actor/num_seqs": norm.num_seqs,
-                "actor/max_memory_gb": self._accel.memory_stats().peak_bytes / 1e9,
-            }
-        )
-        return result
+        return self._update_result(result, grad_norm, used_lr, skipped, norm)
 
     # ---------------------------------------------------------------- weights out
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -63,36 +63,30 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save(
-    path: str,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    extra: dict[str, Any],
-    group: dist.ProcessGroup | None = None,
-) -> None:
-    """Write model + optimizer shards and `extra` to directory `path`, replacing it.
-    Collective: every rank of `group` calls it."""
-    path = os.path.abspath(path).rstrip(os.sep)
-    tmp = path + ".tmp"
-    rank = dist.get_rank(group)
-    if rank == 0:
+def begin(path: str, group: dist.ProcessGroup | None = None) -> str:
+    """Start an atomic checkpoint write of `path`: rank 0 makes a fresh `<path>.tmp`,
+    which every rank of `group` then writes its shards into. Returns that directory.
+    Collective; `commit` ends it."""
+    tmp = os.path.abspath(path).rstrip(os.sep) + ".tmp"
+    if dist.get_rank(group) == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier(group=group)
-    # An optimizer that never stepped has no state; asking DCP for its state dict would
-    # create it with a zero step (and so change the next update): save the model alone.
-    has_optim = bool(optimizer.state)
-    if has_optim:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=tmp, process_group=group)
-    torch.save(rank_rng_state(), os.path.join(tmp, _RNG_FILE.format(rank=rank)))
+    return tmp
+
+
+def commit(
+    path: str, tmp: str, extra: dict[str, Any], has_optim: bool,
+    group: dist.ProcessGroup | None = None,
+) -> None:  # fmt: skip
+    """End the write `begin` started, once every rank wrote its shards: rank 0 writes
+    `extra` (its presence marks the checkpoint complete), syncs it to disk and renames
+    the directory over `path`. Collective. The engines share it (FSDP2's DCP shards and
+    Megatron's dist-checkpointing ones)."""
+    path = os.path.abspath(path).rstrip(os.sep)
     dist.barrier(group=group)
-    if rank == 0:
-        extra_path = os.path.join(tmp, EXTRA_FILE)
-        with open(extra_path, "wb") as f:
+    if dist.get_rank(group) == 0:
+        with open(os.path.join(tmp, EXTRA_FILE), "wb") as f:
             torch.save({**extra, _HAS_OPTIM: has_optim}, f)
             f.flush()
             os.fsync(f.fileno())
@@ -105,6 +99,42 @@ def save(
         _fsync_dir(os.path.dirname(path))
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
+
+
+def read_extra(path: str) -> tuple[dict[str, Any], bool]:
+    """(the extra state, whether the optimizer's state was saved) of the complete
+    checkpoint at `path`; FileNotFoundError when there is none."""
+    path = os.path.abspath(path)
+    if not is_complete(path):
+        raise FileNotFoundError(
+            f"no complete train-engine checkpoint at {path!r} (missing {EXTRA_FILE})"
+        )
+    with open(os.path.join(path, EXTRA_FILE), "rb") as f:
+        extra = torch.load(f, weights_only=True)
+    return extra, bool(extra.pop(_HAS_OPTIM, True))
+
+
+def save(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Write model + optimizer shards and `extra` to directory `path`, replacing it.
+    Collective: every rank of `group` calls it."""
+    tmp = begin(path, group)
+    # An optimizer that never stepped has no state; asking DCP for its state dict would
+    # create it with a zero step (and so change the next update): save the model alone.
+    has_optim = bool(optimizer.state)
+    if has_optim:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    torch.save(rank_rng_state(), os.path.join(tmp, _RNG_FILE.format(rank=dist.get_rank(group))))
+    commit(path, tmp, extra, has_optim, group)
 
 
 def is_complete(path: str) -> bool:
@@ -121,13 +151,8 @@ def load(
     """Restore model + optimizer from `path` in place and return the extra state.
     Collective: every rank of `group` calls it."""
     path = os.path.abspath(path)
-    if not is_complete(path):
-        raise FileNotFoundError(
-            f"no complete train-engine checkpoint at {path!r} (missing {EXTRA_FILE})"
-        )
-    with open(os.path.join(path, EXTRA_FILE), "rb") as f:
-        extra = torch.load(f, weights_only=True)
-    if extra.pop(_HAS_OPTIM, True):
+    extra, has_optim = read_extra(path)
+    if has_optim:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path, process_group=group)

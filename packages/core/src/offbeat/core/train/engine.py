@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from offbeat.core.config.schema import JobConfig, RolloutConfig
 
 __all__ = [
+    "DTYPES",
     "TRAIN_ENGINES",
     "LossFn",
     "TrainEngine",
@@ -49,6 +50,9 @@ __all__ = [
     "register_train_engine",
     "updates_per_run",
 ]
+
+# The dtypes an engine config may name (param, reduce, export), by name.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @runtime_checkable

@@ -29,13 +29,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from offbeat.core import trace
-from offbeat.core.algorithms import global_normalizer, zero_masked
+from offbeat.core.algorithms import zero_masked
 from offbeat.core.algorithms.logprob_drift import DRIFT_MASK, batch_drift_sums, pop_drift_sums
 from offbeat.core.data.vision import vision_model_kwargs
 from offbeat.core.device import Device, current_device, get_device
 from offbeat.core.train import _batch, _checkpoint, _gather, _sharding
 from offbeat.core.train._metrics import MetricSums
+from offbeat.core.train._rank import DataParallelRank
 from offbeat.core.train.engine import (
+    DTYPES,
     LossFn,
     log_prob_temperature,
     register_train_engine,
@@ -67,7 +69,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FSDP2Config", "FSDP2TrainEngine", "actor_engine_config", "hf_name"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prefixes that wrappers (activation checkpointing, torch.compile, FSDP1) put in front of
 # parameter names; a HF loader (e.g. vLLM's load_weights) knows none of them.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -128,8 +129,8 @@ class FSDP2Config:
             )
         for key in ("param_dtype", "reduce_dtype", "export_dtype"):
             value = getattr(self, key)
-            if value is not None and value not in _DTYPES:
-                raise ValueError(f"{prefix}.{key}={value!r}: must be one of {sorted(_DTYPES)}")
+            if value is not None and value not in DTYPES:
+                raise ValueError(f"{prefix}.{key}={value!r}: must be one of {sorted(DTYPES)}")
         self.optim.validate(f"{prefix}.optim")
 
 
@@ -168,7 +169,7 @@ def _full(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 
 @register_train_engine("fsdp2")
-class FSDP2TrainEngine:
+class FSDP2TrainEngine(DataParallelRank):
     """One data-parallel rank of an FSDP2-sharded HF causal LM.
 
     `model` may be passed already built (tests, custom models; every rank passes the same
@@ -211,9 +212,9 @@ class FSDP2TrainEngine:
         self._mesh: DeviceMesh = init_device_mesh(
             self._accel.torch_type, (dist.get_world_size(),), mesh_dim_names=("dp",)
         )
-        self._group = self._mesh.get_group()
+        self._dp_group = self._mesh.get_group()
         mp = MixedPrecisionPolicy(
-            param_dtype=_DTYPES[config.param_dtype], reduce_dtype=_DTYPES[config.reduce_dtype]
+            param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype]
         )
         if model is None:
             model = _sharding.build_sharded_model(
@@ -271,24 +272,6 @@ class FSDP2TrainEngine:
     def lr(self) -> float:
         """The learning rate the next update will use."""
         return float(self._optimizer.param_groups[0]["lr"])
-
-    @property
-    def global_update_count(self) -> int:
-        return self._updates
-
-    @property
-    def dp_rank(self) -> int:
-        return dist.get_rank(self._group)
-
-    @property
-    def dp_size(self) -> int:
-        return dist.get_world_size(self._group)
-
-    def _bind_device(self) -> None:
-        """Make this rank's accelerator current in the calling thread: a trainer may call
-        the engine from worker threads (asyncio.to_thread), whose current device is 0."""
-        if self._device.type != "cpu":
-            torch.get_device_module(self._device.type).set_device(self._device)
 
     # ---------------------------------------------------------------- forward
     def _model_kwargs(self, mb: dict[str, Any]) -> dict[str, Any]:
@@ -348,7 +331,7 @@ class FSDP2TrainEngine:
 
     def _max_over_ranks(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self._device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
         return int(t.item())
 
     def _micro_batches(self, batch: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
@@ -357,12 +340,6 @@ class FSDP2TrainEngine:
         weight)."""
         micro = _batch.split_rows(batch, self.config.micro_batch_size)
         return micro, self._max_over_ranks(len(micro))
-
-    def _temperature(self, temperature: float | None) -> float:
-        t = self.config.temperature if temperature is None else temperature
-        if not t > 0:
-            raise ValueError(f"temperature={t!r}: must be > 0 (the rollout's sampling temperature)")
-        return float(t)
 
     def compute_log_probs(self, batch: Any, temperature: float | None = None) -> torch.Tensor:
         """Log-probs [B, R] (float32, on CPU) of the response tokens of this rank's batch
@@ -400,20 +377,9 @@ class FSDP2TrainEngine:
         (`offbeat.core.algorithms.logprob_drift`): this update's log-probs, all computed
         before its optimizer step, against ``rollout_log_probs`` (train mode: a model with
         active dropout would add its noise)."""
-        t_start = time.perf_counter()
-        temperature = self._temperature(temperature)
-        self._bind_device()
-        data = _batch.as_tensor_dict(mini_batch, self._device)
-        seqlens = data["attention_mask"].sum(dim=-1).tolist()
-        data, prepared = self._loss_fn.prepare(data)
-        loss_mask = data.get("loss_mask")
-        if loss_mask is None:
-            loss_mask = data["loss_mask"] = data["response_mask"]
-        norm = global_normalizer(
-            loss_mask, horizon=self._loss_fn.horizon, group=self._group, loss_scale=self.dp_size
-        )
-        if norm.num_tokens <= 0:
-            raise ValueError("update: the mini-batch has no response tokens on any rank")
+        u = self._update_inputs(mini_batch, temperature)
+        t_start, temperature, data, seqlens = u.t_start, u.temperature, u.data, u.seqlens
+        prepared, loss_mask, norm = u.prepared, u.loss_mask, u.norm
         micro, rounds = self._micro_batches(data)
         with_entropy = bool(self._loss_fn.needs_entropy)
         with_topk = bool(getattr(self._loss_fn, "needs_topk", False))
@@ -456,21 +422,11 @@ class FSDP2TrainEngine:
             seconds = time.perf_counter() - t_start
             flops = training_flops(self._shape, seqlens)
             metrics.add({"perf/flops": flops, "perf/max_update_s": seconds}, 1.0)
-        result = pop_drift_sums(metrics.reduce(self._group, self._device))
+        result = pop_drift_sums(metrics.reduce(self._dp_group, self._device))
         if self._shape is not None:
             flops, seconds = result.pop("perf/flops"), result.pop("perf/max_update_s")
             result.update(perf_metrics(flops, seconds, self.dp_size, self._peak))
-        result.update(
-            {
-                "actor/grad_norm": grad_norm,
-                "actor/lr": used_lr,
-                "actor/num_skipped_updates": float(skipped),
-                "actor/num_tokens": norm.num_tokens,
-                "actor/num_seqs": norm.num_seqs,
-                "actor/max_memory_gb": self._accel.memory_stats().peak_bytes / 1e9,
-            }
-        )
-        return result
+        return self._update_result(result, grad_norm, used_lr, skipped, norm)
 
     def _clip_grad(self) -> float:
         params = [p for p in self._model.parameters() if p.grad is not None]
@@ -488,7 +444,7 @@ class FSDP2TrainEngine:
         """(HF name, full contiguous tensor in `export_dtype`) for every parameter, one at a
         time: a parameter is gathered only when the consumer asks for it and this generator
         drops its reference before gathering the next. All ranks must iterate to the end."""
-        dtype = _DTYPES[self.config.export_dtype] if self.config.export_dtype else None
+        dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
         for name, param in self._model.named_parameters():
             self._bind_device()
             tensor = _full(param, dtype)
@@ -504,9 +460,9 @@ class FSDP2TrainEngine:
         to the end. Each byte of the model crosses the wire once, towards `dst` alone.
         `prefetch_bytes`: how far `dst` receives ahead of the tensor it yields (0: it holds
         one full parameter at a time)."""
-        dtype = _DTYPES[self.config.export_dtype] if self.config.export_dtype else None
+        dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
         self._bind_device()
-        group, model = self._group, self._model
+        group, model = self._dp_group, self._model
         for name, tensor in _gather.gather_to(model, group, dst, dtype, prefetch_bytes):
             yield hf_name(name), tensor
             del tensor
@@ -519,11 +475,11 @@ class FSDP2TrainEngine:
             self._model,
             self._optimizer,
             {"lr_scheduler": self._scheduler.state_dict(), "global_update_count": self._updates},
-            self._group,
+            self._dp_group,
         )
 
     def load(self, path: str) -> None:
         self._bind_device()
-        extra = _checkpoint.load(path, self._model, self._optimizer, self._group)
+        extra = _checkpoint.load(path, self._model, self._optimizer, self._dp_group)
         self._scheduler.load_state_dict(extra["lr_scheduler"])
         self._updates = int(extra["global_update_count"])

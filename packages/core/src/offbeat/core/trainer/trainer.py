@@ -30,6 +30,7 @@ import logging
 import resource
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -390,95 +391,124 @@ class Trainer:
                 waiter.cancel()
 
     async def _global_step(self, step: int) -> dict[str, float]:
-        job = self.job
-        a, al, t = job.actor, job.algorithm, job.trainer
-        n, sync_step = job.rollout.n, job.async_training.parameter_sync_step
-        t_step = time.perf_counter()
-        busy0 = self.driver.clock.read()
-        tokens0 = self.driver.tokens_generated
+        """One global step: a batch of finished groups, what the update needs beside it
+        (old and reference log-probs, values), the update, the weight sync (and a
+        validation when one is due), then the step's metrics."""
+        s = _Step(step, time.perf_counter(), self.driver.clock.read(), self.driver.tokens_generated)
         await self.buffer.begin_step(step)
         self.step = step
         self.engine.begin_step(step)  # the group's errors name the step
+        await self._take_batch(s)
+        await self._before_update(s)
+        await self._update(s)
+        await self._sync_and_validate(s)
+        s.times["step_s"] = time.perf_counter() - s.t0
+        return await self._step_metrics(s)
 
+    async def _take_batch(self, s: _Step) -> None:
+        """Wait for the step's batch of finished groups; build the train batch; a
+        recipe's batch hook has its say."""
+        job = self.job
         t0 = time.perf_counter()
         waiting = f"waiting for a batch of {job.data.train_batch_size} prompt groups"
-        with trace.span("generate_wait"), progress.phase(f"step {step}: {waiting}"):
-            groups, evicted = await self._wait_for_batch(step)
-        wait_s = time.perf_counter() - t0
-        self.trained_uids += [g.uid for g in groups]
-        self.evicted_uids += [g.uid for g in evicted]
-
+        with trace.span("generate_wait"), progress.phase(f"step {s.step}: {waiting}"):
+            s.groups, s.evicted = await self._wait_for_batch(s.step)
+        s.times["generate_wait_s"] = time.perf_counter() - t0
+        self.trained_uids += [g.uid for g in s.groups]
+        self.evicted_uids += [g.uid for g in s.evicted]
         if self._val_task is not None and not self.pool.servers and not self.pool.guests:
             # The validation under way lost every replica: only a replacement can finish
             # it, and one is admitted at this version only while the weights still are.
             await self._finish_validation()
-        batch, data = await asyncio.to_thread(build_train_batch, groups, al, self.pad_token_id)
-        hook_metrics: dict[str, float] = {}
+        s.batch, s.data = await asyncio.to_thread(
+            build_train_batch, s.groups, job.algorithm, self.pad_token_id
+        )
         if self.batch_hook is not None:
-            hook_metrics = await asyncio.to_thread(self.batch_hook, batch, data)
-        t0 = time.perf_counter()
-        if al.old_log_prob_source == "trainer":
-            # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
-            with trace.span("old_log_prob"), progress.working("old_log_prob", None, f"step {step}"):
-                data["old_log_probs"] = await self.engine.compute_log_probs(data, self.temperature)
-        old_lp_s = time.perf_counter() - t0
-        # Log-prob drift against the rollout's, on the trajectories sampled at the weights
-        # the trainer holds now (offbeat.core.trainer.logprob_drift).
-        drift_mask: torch.Tensor | None = drift_mask_of(batch, self.version)
-        drift: dict[str, float] = {}
-        if al.old_log_prob_source == "trainer":
-            drift, drift_mask = drift_of_old_log_probs(data, drift_mask), None
-        extra: dict[str, float] = {}
-        if self.critic_ref is not None:  # ref log-probs, KL in the reward, values, GAE
-            extra = await self.critic_ref.prepare(data, batch.rewards, batch.group_uids)
+            s.hook_metrics = await asyncio.to_thread(self.batch_hook, s.batch, s.data)
 
+    async def _before_update(self, s: _Step) -> None:
+        """The old log-probs (decoupled PPO), the log-prob drift, and the critic's and
+        reference's part (ref log-probs, KL in the reward, values, GAE)."""
+        data = s.data
         t0 = time.perf_counter()
-        rows_per_mb = a.ppo_mini_batch_size * n
-        update_metrics: list[dict[str, float]] = []
+        decoupled = self.job.algorithm.old_log_prob_source == "trainer"
+        if decoupled:
+            # Decoupled PPO: the proximal policy is the frozen start-of-step weights.
+            with (
+                trace.span("old_log_prob"),
+                progress.working("old_log_prob", None, f"step {s.step}"),
+            ):
+                data["old_log_probs"] = await self.engine.compute_log_probs(data, self.temperature)
+        s.times["old_log_prob_s"] = time.perf_counter() - t0
+        # Log-prob drift against the rollout's, on the trajectories sampled at the weights
+        # the trainer holds now (offbeat.core.trainer.logprob_drift): from the old
+        # log-probs when there are some, else measured by the first update.
+        s.drift_mask = drift_mask_of(s.batch, self.version)
+        if decoupled:
+            s.drift, s.drift_mask = drift_of_old_log_probs(data, s.drift_mask), None
+        if self.critic_ref is not None:
+            s.extra = await self.critic_ref.prepare(data, s.batch.rewards, s.batch.group_uids)
+
+    async def _update(self, s: _Step) -> None:
+        """`actor.ppo_epochs` passes over the batch in `parameter_sync_step` mini-batches;
+        then the critic's update."""
+        job, a = self.job, self.job.actor
+        sync_step = job.async_training.parameter_sync_step
+        rows_per_mb = a.ppo_mini_batch_size * job.rollout.n
+        t0 = time.perf_counter()
         # The hybrid replicas' own word on whether they sleep, asked while the trainer
         # trains on their devices.
         asleep = self._hybrid_levels()
         with trace.span("train"):
             for epoch in range(a.ppo_epochs):
                 for k in range(sync_step):
-                    mb = _rows(data, k * rows_per_mb, (k + 1) * rows_per_mb)
-                    if drift_mask is not None and epoch == k == 0:  # before any optimizer step
-                        mb[DRIFT_MASK] = drift_mask[:rows_per_mb]
-                    where = f"step {step}, mini-batch {k + 1}/{sync_step}"
+                    mb = _rows(s.data, k * rows_per_mb, (k + 1) * rows_per_mb)
+                    if s.drift_mask is not None and epoch == k == 0:  # before any optimizer step
+                        mb[DRIFT_MASK] = s.drift_mask[:rows_per_mb]
+                    where = f"step {s.step}, mini-batch {k + 1}/{sync_step}"
                     with (
                         trace.span("mini-batch", index=k, epoch=epoch),
                         progress.working(
                             "update", None, f"{where}, epoch {epoch + 1}/{a.ppo_epochs}"
                         ),
                     ):
-                        update_metrics.append(await self.engine.update(mb))
-        train_s = time.perf_counter() - t0
+                        s.updates.append(await self.engine.update(mb))
+        s.times["train_s"] = time.perf_counter() - t0
         if asleep is not None and (levels := await asleep):
-            extra["hybrid/asleep_level"] = float(min(levels.values()))
+            s.extra["hybrid/asleep_level"] = float(min(levels.values()))
         if self.critic_ref is not None:
-            extra.update(await self.critic_ref.update_critic(data, rows_per_mb, sync_step))
+            s.extra.update(await self.critic_ref.update_critic(s.data, rows_per_mb, sync_step))
 
-        # The last validation must see only its own version: finish it before syncing.
+    async def _sync_and_validate(self, s: _Step) -> None:
+        """The new weights to the replicas (after the validation under way, which must see
+        only its own version), then a validation when one is due."""
+        t = self.job.trainer
         await self._finish_validation(weights_at_version=False)
         t0 = time.perf_counter()
-        version = self.version_offset + step
+        version = self.version_offset + s.step
         with trace.span("sync", version=version), progress.working("sync", None, f"v{version}"):
-            result = await self.pool.sync(self.engine.export_weights, version)
-            trace.add_sync(result)  # each phase, and every replica's phases on its track
-        sync_s = time.perf_counter() - t0
+            s.sync = await self.pool.sync(self.engine.export_weights, version)
+            trace.add_sync(s.sync)  # each phase, and every replica's phases on its track
+        s.times["sync_s"] = time.perf_counter() - t0
         self.version = version
-        self.sync_results.append(result)
-        if (t.test_freq > 0 and step % t.test_freq == 0) or step == t.total_training_steps:
+        self.sync_results.append(s.sync)
+        if (t.test_freq > 0 and s.step % t.test_freq == 0) or s.step == t.total_training_steps:
             await self._validate()
 
-        step_s = time.perf_counter() - t_step
-        busy = self.driver.clock.read() - busy0
-        tokens = self.driver.tokens_generated - tokens0
+    async def _step_metrics(self, s: _Step) -> dict[str, float]:
+        """The step's metrics: rewards, lengths, staleness, the buffer's counts, timings,
+        the sync, throughput and idle fractions, memory; the updates', the drift's, the
+        critic's and the hooks'. Then the step hooks see them."""
+        step, groups, result, times = s.step, s.groups, s.sync, s.times
+        step_s, wait_s = times["step_s"], times["generate_wait_s"]
+        busy = self.driver.clock.read() - s.busy0
+        tokens = self.driver.tokens_generated - s.tokens0
+        trajectories = [t for g in groups for t in g.trajectories]
         spans = [float(g.span(step)) for g in groups for _ in g.trajectories]
         policy = self.version_offset + step - 1  # the version the batch was trained from
-        stale = [float(policy - t.min_weight_version) for g in groups for t in g.trajectories]
-        lengths = [float(len(t.response_ids)) for g in groups for t in g.trajectories]
-        rewards = batch.rewards.tolist()
+        stale = [float(policy - t.min_weight_version) for t in trajectories]
+        lengths = [float(len(t.response_ids)) for t in trajectories]
+        rewards = s.batch.rewards.tolist()
         counts = self.buffer.core.counts()
         metrics: dict[str, float] = {
             "weight_version": float(self.version),
@@ -488,17 +518,13 @@ class Trainer:
             **_stats("response_length", lengths),
             **_stats("off_policy/trajectory_spans", spans),
             **_stats("off_policy/trajectory_staleness", stale),
-            "buffer/evicted": float(len(evicted)),
+            "buffer/evicted": float(len(s.evicted)),
             "buffer/evicted_total": float(counts["evicted"]),
             "buffer/failed_total": float(counts["failed"]),
             **self.driver.failure_metrics(),  # failed/<reason>_total: bad_row, reward_timeout...
             "buffer/submitted_total": float(counts["submitted"]),
             "buffer/in_flight": float(counts["pending"] + counts["running"] + counts["finished"]),
-            "timing/generate_wait_s": wait_s,
-            "timing/old_log_prob_s": old_lp_s,
-            "timing/train_s": train_s,
-            "timing/sync_s": sync_s,
-            "timing/step_s": step_s,
+            **{f"timing/{k}": times[k] for k in _STEP_TIMES},
             "sync/gbps": result.transfer_gbps,
             "sync/bytes": float(result.bytes),
             "sync/replicas": float(len(result.succeeded)),
@@ -509,23 +535,48 @@ class Trainer:
             **self.pool.counts(),
             **self.buffer.core.prompts.metrics(),  # the data order's account, across resumes
         }
-        metrics.update(agent_metrics([t for g in groups for t in g.trajectories]))
+        metrics.update(agent_metrics(trajectories))
         for phase, secs in result.phase_s.items():
             metrics[f"timing/sync_{phase}_s"] = secs
-        metrics.update(_merge_updates(update_metrics))
-        metrics.update(drift)
+        metrics.update(_merge_updates(s.updates))
+        metrics.update(s.drift)
         if warning := self.drift_warning.check(step, metrics):
             if "console" in getattr(self.tracker, "loggers", ()):
                 self.tracker.event(warning)
             else:
                 logger.warning(warning)
-        metrics.update(extra)
-        metrics.update(hook_metrics)
+        metrics.update(s.extra)
+        metrics.update(s.hook_metrics)
         if self.rollout_memory is not None:
             metrics.update(await self.rollout_memory())
         for hook in self.step_hooks:
-            hook.after_step(step, groups, batch, metrics)
+            hook.after_step(step, groups, s.batch, metrics)
         return metrics
+
+
+# The phases of a step, timed in that order (`timing/<name>`).
+_STEP_TIMES = ("generate_wait_s", "old_log_prob_s", "train_s", "sync_s", "step_s")
+
+
+@dataclass
+class _Step:
+    """One global step's state, filled in by its phases in order."""
+
+    step: int
+    t0: float  # perf_counter at its start
+    busy0: float  # the rollout's busy clock then
+    tokens0: int  # the rollout's token count then
+    groups: list[PromptGroup] = field(default_factory=list)
+    evicted: list[PromptGroup] = field(default_factory=list)
+    batch: Any = None  # the TrajectoryBatch
+    data: dict[str, Any] = field(default_factory=dict)  # its tensors, as the engine takes them
+    hook_metrics: dict[str, float] = field(default_factory=dict)
+    drift: dict[str, float] = field(default_factory=dict)
+    drift_mask: torch.Tensor | None = None
+    extra: dict[str, float] = field(default_factory=dict)  # critic, reference, hybrid
+    updates: list[dict[str, float]] = field(default_factory=list)
+    sync: Any = None  # the SyncResult
+    times: dict[str, float] = field(default_factory=dict)
 
 
 def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
